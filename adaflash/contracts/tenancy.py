@@ -1,0 +1,17 @@
+"""Per-tenant governance policy: stored by the control plane, read by nodes and learner."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_TENANT = "default"
+
+
+class TenantPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    sampling_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # share of finished requests that emit
+    opt_out: bool = False  # never emit feedback
+    ttl_days: float = Field(default=30.0, gt=0.0)  # feedback retention everywhere
+    share_cap: float = Field(default=0.5, gt=0.0, le=1.0)  # max share of one training buffer
