@@ -1,0 +1,230 @@
+"""The frozen target: a Llama / Qwen3-family decoder with a packed variable-length forward.
+
+One call runs a flat stream of tokens from many requests. Each request's new tokens
+attend to that request's cached prefix and causally among themselves; the call returns
+logits at the positions asked for and the hidden states of chosen layers (what the
+drafter is conditioned on). Weights load from a Hugging Face directory (config.json +
+model.safetensors) with the same parameter names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from dataplane.attention import attend
+from dataplane.kv_cache import SeqKV
+from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    qk_norm: bool = False  # Qwen3
+    attention_bias: bool = False
+    max_position_embeddings: int = 8192
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelArgs:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "qwen3", "qwen2", "mistral"):
+            raise ValueError(f"unsupported model_type {model_type!r}")
+        rope = cfg.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qk_norm=model_type == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] -> q [T, heads, d], k, v [T, kv_heads, d] with rotary applied."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, layer: int, kvs: list[SeqKV], bounds: list[tuple[int, int, int]]):
+        """x [T, H]; bounds: per request (stream start, stream end, cache start)."""
+        q, k, v = self.qkv(x, cos, sin)
+        out = torch.empty_like(q)
+        for b, (s, e, start) in enumerate(bounds):
+            kv = kvs[b]
+            kv.write(layer, start, k[s:e], v[s:e])
+            kc, vc = kv.view(layer, start + (e - s))
+            out[s:e] = attend(q[s:e], kc, vc, causal=True)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer, kvs, bounds):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kvs, bounds)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [M, V] at logits_index
+    hidden: torch.Tensor | None  # [T, len(hidden_layers), H]
+
+
+class TargetModel(nn.Module):
+    """Decoder-only LM. ``forward_packed`` is the only entry point the engine needs."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.model = Backbone(a)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(a.head_dim, a.rope_theta)
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> TargetModel:
+        d = Path(directory)
+        args = ModelArgs.from_hf(json.loads((d / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(args)
+        state = {}
+        for f in sorted(d.glob("*.safetensors")):
+            state.update(load_file(str(f), device=str(device)))
+        if args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = Rotary(args.head_dim, args.rope_theta)
+        model.to(device=device, dtype=dtype)
+        model.rotary.inv_freq = model.rotary.inv_freq.float()
+        model.eval().requires_grad_(False)
+        return model
+
+    def new_cache(self, capacity: int = 64) -> SeqKV:
+        a = self.args
+        p = self.lm_head.weight
+        return SeqKV(a.num_layers, a.num_kv_heads, a.head_dim, p.dtype, p.device, capacity)
+
+    # --- forward ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: list[int],
+        kvs: list[SeqKV],
+        logits_index: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Run a packed stream.
+
+        input_ids [T] int64: request b's new tokens are input_ids[cu_seqlens[b]:cu_seqlens[b+1]];
+        they continue request b's cache ``kvs[b]`` (positions kvs[b].length + i), and after the
+        call each cache's length includes them (truncate to drop rejected ones).
+        logits_index [M] int64: stream rows whose next-token logits to return (None: all rows).
+        hidden_layers: decoder layer indices (0-based) whose outputs to return.
+        Returns logits [M, V] and hidden [T, len(hidden_layers), H].
+        """
+        return self._forward(input_ids, cu_seqlens, kvs, logits_index, hidden_layers)
+
+    def _forward(self, input_ids, cu_seqlens, kvs, logits_index, hidden_layers) -> ForwardOutput:
+        bounds, positions = [], []
+        for b, kv in enumerate(kvs):
+            s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+            start = kv.length
+            kv.reserve(start + (e - s))
+            bounds.append((s, e, start))
+            positions.append(torch.arange(start, start + (e - s)))
+        pos = torch.cat(positions).to(input_ids.device)
+        cos, sin = self.rotary.cos_sin(pos)
+        x = self.model.embed_tokens(input_ids)
+        want = {layer: i for i, layer in enumerate(hidden_layers)}
+        hidden = (torch.empty(x.shape[0], len(hidden_layers), x.shape[1], dtype=x.dtype, device=x.device)
+                  if hidden_layers else None)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, kvs, bounds)
+            if i in want:
+                hidden[:, want[i]] = x
+        for (s, e, start), kv in zip(bounds, kvs, strict=True):
+            kv.length = start + (e - s)
+        logits = None
+        if logits_index is None or logits_index.numel():
+            h = x if logits_index is None else x[logits_index]
+            logits = self.lm_head(self.model.norm(h))
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def default_hidden_layers(num_layers: int, n: int) -> tuple[int, ...]:
+    """n target layers evenly spaced from 1 to L-3 (PAPER.md), e.g. L=30, n=4 -> (1, 10, 18, 27)."""
+    if n == 1:
+        return (num_layers // 2,)
+    lo, hi = 1, max(1, num_layers - 3)
+    return tuple(int(round(lo + (hi - lo) * i / (n - 1))) for i in range(n))

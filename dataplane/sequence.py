@@ -1,0 +1,92 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dataplane.kv_cache import SeqKV
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    max_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Round:
+    k_hat: int
+    accepted: int
+    a_hat: float
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant_id: str = "default"
+    domain: str | None = None
+    prompt_text: str = ""
+    # Called from the engine thread with (sequence, new token ids, finished).
+    on_update: Callable[[Sequence, list[int], bool], None] | None = None
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    cancelled: bool = False
+    target_kv: SeqKV | None = None
+    drafter_kv: SeqKV | None = None
+    drafter_version: str | None = None  # drafter whose context cache this sequence holds
+    rounds: list[Round] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    skip_rounds: int = 0  # break-even back-off: rounds left without drafting
+    backoff: int = 1
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_at: float | None = None
+    detok: object | None = None  # Detokenizer, owned by the server side
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0.0
+
+    def stats(self) -> dict:
+        rounds = self.rounds
+        acc = sum(r.accepted for r in rounds)
+        ver = sum(r.k_hat for r in rounds)
+        return {
+            "rounds": len(rounds),
+            "draft_tokens": sum(r.k_hat - 1 for r in rounds),
+            "verified_tokens": ver,
+            "accepted_tokens": acc,
+            "mean_accept_len": (acc + len(rounds)) / len(rounds) if rounds else 0.0,
+            "mean_verify_len": ver / len(rounds) if rounds else 0.0,
+        }

@@ -1,0 +1,197 @@
+"""One decode step for every selected request: draft, choose k_hat, pack, verify, commit.
+
+    drafter forward (one pass, all drafting requests)  -> block hidden h [B, k, H]
+    length head                                        -> a_hat [B] -> k_hat [B]
+    draft logits for positions 1..max(k_hat)-1         -> draft tokens (argmax or sampled)
+    pack [last token, drafts[:k_hat-1]] per request    -> flat stream of sum(k_hat) tokens
+    one target forward over the stream                 -> logits [T, V], hidden [T, n, H]
+    verify (greedy or rejection sampling)              -> accepted [B], bonus [B]
+    commit accepted + bonus, truncate rejected KV, extend the drafter's context
+
+``ar`` mode is the same step with k_hat = 1 and no drafter, so the baseline shares every
+line of the serving path with the speculative modes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dataplane.cost_model import CostModel
+from dataplane.drafter import Drafter, k_hat_from
+from dataplane.kernels import pack_drafts
+from dataplane.model import TargetModel
+from dataplane.sequence import Round, Sequence
+from dataplane.verify import process_logits, sample_draft_tokens, verify, verify_sampling
+
+MAX_BACKOFF = 16
+
+
+@dataclass
+class StepPlan:
+    seqs: list[Sequence]
+    k_hat: list[int]
+    a_hat: list[float]
+    drafts: torch.Tensor  # [B, K-1] int64 (padding where k_hat is smaller)
+    draft_probs: list[torch.Tensor | None]  # per request [k_hat, V] for sampled requests
+    draft_s: float
+
+
+@dataclass
+class StepResult:
+    committed: list[list[int]]  # tokens each request commits (before stop handling)
+    accepted: list[int]
+    verify_tokens: int
+    verify_s: float
+
+
+class SpecStep:
+    def __init__(self, target: TargetModel, mode: str, block_size: int, gamma: float, cost: CostModel,
+                 breakeven: bool = True):
+        self.target = target
+        self.mode = mode
+        self.k = block_size
+        self.gamma = gamma
+        self.cost = cost
+        self.breakeven = breakeven
+        self.calib = 1.0  # EMA of realised / predicted acceptance, node-wide
+
+    # --- planning ---------------------------------------------------------------------------
+    def caps(self, seq: Sequence, max_len: int) -> int:
+        """Most tokens this request may verify: block size, tokens left, context left."""
+        left = seq.params.max_tokens - len(seq.output_ids)
+        ctx_left = max_len - seq.num_tokens
+        return max(1, min(self.k, left, ctx_left))
+
+    def plan(self, seqs: list[Sequence], drafter: Drafter | None, version: str | None, max_len: int) -> StepPlan:
+        B = len(seqs)
+        k_hat = [1] * B
+        a_hat = [0.0] * B
+        drafts = torch.zeros(B, max(self.k - 1, 1), dtype=torch.int64)
+        probs: list[torch.Tensor | None] = [None] * B
+        t0 = time.perf_counter()
+        if self.mode != "ar" and drafter is not None:
+            idx = [i for i, s in enumerate(seqs) if s.drafter_version == version and s.skip_rounds == 0
+                   and self.caps(s, max_len) > 1]
+            for s in seqs:
+                s.skip_rounds = max(0, s.skip_rounds - 1)
+            if idx:
+                self._draft(seqs, idx, drafter, k_hat, a_hat, drafts, probs, max_len)
+        draft_s = time.perf_counter() - t0
+        if self.mode != "ar" and drafter is not None:
+            self.cost.observe_draft(sum(1 for k in k_hat if k > 1), draft_s)
+        return StepPlan(seqs, k_hat, a_hat, drafts, probs, draft_s)
+
+    def _draft(self, seqs, idx, drafter, k_hat, a_hat, drafts, probs, max_len) -> None:
+        sub = [seqs[i] for i in idx]
+        last = torch.tensor([s.last_token for s in sub], dtype=torch.int64)
+        h = drafter.forward_block(last, [s.drafter_kv for s in sub])  # [Bd, k, H]
+        with torch.inference_mode():
+            ah = drafter.length_head(h).float()  # [Bd]
+        caps = torch.tensor([self.caps(s, max_len) for s in sub])
+        if self.mode == "fixed":
+            kh = caps.clone()
+        else:
+            kh = torch.minimum(k_hat_from(ah, self.k, self.gamma), caps)
+            if self.breakeven:
+                kh = self._breakeven(sub, ah, kh, len(seqs))
+        n = int(kh.max())
+        if n <= 1:
+            for j, i in enumerate(idx):
+                a_hat[i] = float(ah[j])
+            return
+        with torch.inference_mode():
+            logits = drafter.logits(h[:, 1:n])  # [Bd, n-1, Vd]
+        for j, i in enumerate(idx):
+            s, kj = sub[j], int(kh[j])
+            k_hat[i], a_hat[i] = kj, float(ah[j])
+            if kj <= 1:
+                continue
+            if s.greedy:
+                drafts[i, : kj - 1] = drafter.to_target_ids(logits[j, : kj - 1].argmax(-1))
+            else:
+                q = process_logits(logits[j, : kj - 1], s.params.temperature, s.params.top_p)
+                tok = sample_draft_tokens(q, s.generator)
+                drafts[i, : kj - 1] = drafter.to_target_ids(tok)
+                full = drafter.expand_probs(q)
+                probs[i] = torch.cat([full, full.new_zeros(1, full.shape[-1])])  # row k_hat-1 unused
+
+    def _breakeven(self, sub: list[Sequence], ah: torch.Tensor, kh: torch.Tensor, batch: int) -> torch.Tensor:
+        """Verify only the bonus token where speculation is not expected to pay."""
+        out = kh.clone()
+        for j, s in enumerate(sub):
+            a = float(ah[j]) * self.calib
+            if s.rounds:
+                recent = [r for r in s.rounds[-4:] if r.k_hat > 1]
+                if recent:
+                    seen = sum(r.accepted for r in recent) / sum(r.k_hat - 1 for r in recent)
+                    a = 0.5 * a + 0.5 * seen
+            if int(kh[j]) > 1 and self.cost.gain(a, int(kh[j]), batch) < 1.0:
+                out[j] = 1
+                s.skip_rounds = s.backoff
+                s.backoff = min(MAX_BACKOFF, s.backoff * 2)
+        return out
+
+    # --- verification -----------------------------------------------------------------------
+    def run(self, plan: StepPlan, hidden_layers: tuple[int, ...]) -> tuple[StepResult, torch.Tensor | None,
+                                                                         list[int]]:
+        """Verify the plan. Returns the result, target hidden [T, n, H] (or None) and cu_seqlens."""
+        seqs = plan.seqs
+        kh = torch.tensor(plan.k_hat, dtype=torch.int64)
+        last = torch.tensor([s.last_token for s in seqs], dtype=torch.int64)
+        seq_lens = torch.tensor([s.target_kv.length for s in seqs], dtype=torch.int64)
+        token_ids, _positions, cu = pack_drafts(last, plan.drafts, kh, seq_lens)
+        cu_list = cu.tolist()
+        t0 = time.perf_counter()
+        out = self.target.forward_packed(token_ids, cu_list, [s.target_kv for s in seqs],
+                                         hidden_layers=hidden_layers)
+        accepted, bonus = self._verify(seqs, plan, out.logits, token_ids, cu)
+        verify_s = time.perf_counter() - t0
+        self.cost.observe_verify(len(seqs), int(token_ids.numel()), verify_s)
+        committed = []
+        tok = token_ids.tolist()
+        for b in range(len(seqs)):
+            s = cu_list[b]
+            committed.append(tok[s + 1 : s + 1 + accepted[b]] + [bonus[b]])
+        self._update_calibration(plan, accepted)
+        return StepResult(committed, accepted, int(token_ids.numel()), verify_s), out.hidden, cu_list
+
+    def _verify(self, seqs, plan, logits, token_ids, cu) -> tuple[list[int], list[int]]:
+        B = len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.greedy]
+        accepted, bonus = [0] * B, [0] * B
+        if len(greedy) == B:
+            res = verify(logits, token_ids, cu, torch.zeros(B))
+            return res.accepted.tolist(), res.bonus.tolist()
+        if greedy:
+            res = verify(logits, token_ids, cu, torch.zeros(B))
+            for i in greedy:
+                accepted[i], bonus[i] = int(res.accepted[i]), int(res.bonus[i])
+        for i, s in enumerate(seqs):
+            if s.greedy:
+                continue
+            a, e = int(cu[i]), int(cu[i + 1])
+            q = plan.draft_probs[i]
+            if q is None:
+                q = logits.new_zeros(e - a, logits.shape[-1])
+            r = verify_sampling(logits[a:e], q, token_ids[a:e], torch.tensor([0, e - a]),
+                                torch.tensor([s.params.temperature]), torch.tensor([s.params.top_p]), s.generator)
+            accepted[i], bonus[i] = int(r.accepted[0]), int(r.bonus[0])
+        return accepted, bonus
+
+    def _update_calibration(self, plan: StepPlan, accepted: list[int]) -> None:
+        pred = real = 0.0
+        for k, a_hat, acc in zip(plan.k_hat, plan.a_hat, accepted, strict=True):
+            if k > 1:
+                pred += a_hat
+                real += acc / (k - 1)
+        if pred > 0:
+            self.calib = min(2.0, max(0.05, 0.95 * self.calib + 0.05 * (real / pred)))
+
+    @staticmethod
+    def record_round(seq: Sequence, k_hat: int, accepted: int, a_hat: float) -> None:
+        seq.rounds.append(Round(k_hat=k_hat, accepted=accepted, a_hat=a_hat))
+        if k_hat > 1 and accepted >= (k_hat - 1) / 2:
+            seq.backoff = 1
