@@ -1,0 +1,457 @@
+"""Offline DFlash drafter training on target-labelled shards (``learner.data``).
+
+Per step: draw sequences (domains balanced), draw anchors inside each answer, build the
+masked blocks and run ``Drafter.forward_train`` with the target's stored hidden states
+injected as context keys/values. Loss: cross-entropy on the target's top-1 tokens over
+the draft vocabulary with per-position weight exp(-(i-1)/decay) for block positions
+i = 1..k-1. The length head is fitted at the same time (MSE on features detached from
+the drafter) against the simulated acceptance ratio: the number of leading block
+positions whose greedy draft equals the target's top-1, over k-1.
+
+For teacher-forced text, block position i is trained only while the real tokens inside
+the block agree with the target's top-1 (beyond the first disagreement the target would
+never have reached that state, so speculation never meets it).
+
+Resumable: ``<out>/ckpt.pt`` holds drafter, optimiser, step and RNG state; rerunning
+the same command continues. Writes ``log.jsonl``, ``loss.png``, ``tau.png`` and the
+final bundle (``<out>/bundle``) with its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from learner import data as D
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    num_layers: int = 1
+    target_layers: list[int] = field(default_factory=lambda: [1, 10, 18, 27, 29])
+    init_from_target: bool = True
+    init_layers: list[int] | None = None  # target layers copied into the drafter (default: the last ones)
+    draft_vocab_size: int = 8192  # 0: full vocabulary
+    vocab_prior: bool = True  # add reference-text token counts to the label counts
+    block_size: int = 16
+    head_hidden: int = 128
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 8
+    steps: int = 4000
+    lr: float = 1e-3
+    head_lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.01
+    decay: float = 7.0  # per-position loss weight exp(-(i-1)/decay)
+    kinds: list[str] = field(default_factory=lambda: ["regen", "tf"])
+    domains: list[str] = field(default_factory=lambda: ["chat", "code", "math"])
+    tf_consistent_mask: bool = True
+    val_every: int = 250
+    ckpt_every: int = 250
+    eval_every: int = 0  # steps between held-out tau evaluations (0: only at the end)
+    eval_prompts: int = 6
+    eval_max_tokens: int = 96
+    rescan_every: int = 500  # pick up shards written since the start
+    max_shard_seqs_val: int = 1  # sequences per shard kept for validation
+    threads: int = 1
+    time_budget_s: float = 0.0
+
+
+# --------------------------------------------------------------------------- data pool
+
+
+class Pool:
+    """Sequences of all shards in memory (hidden states float16), by domain; a few per shard
+    are held back for validation (training-distribution acceptance, not the held-out tau)."""
+
+    def __init__(self, root: Path, cfg: TrainConfig, stored_layers: list[int]):
+        self.root, self.cfg = root, cfg
+        self.layer_idx = [stored_layers.index(layer) for layer in cfg.target_layers]
+        self.loaded: set[str] = set()
+        self.train: dict[str, list[D.Example]] = {}
+        self.val: list[D.Example] = []
+        self.tokens = 0
+        self.refresh()
+
+    def refresh(self) -> int:
+        new = 0
+        for p in D.list_shards(self.root, kinds=self.cfg.kinds, domains=self.cfg.domains):
+            if str(p) in self.loaded:
+                continue
+            self.loaded.add(str(p))
+            exs = D.load_shard(p, self.layer_idx)
+            nv = self.cfg.max_shard_seqs_val
+            self.val.extend(exs[:nv])
+            for e in exs[nv:]:
+                if len(e.tokens) - e.resp_start < 4:
+                    continue
+                self.train.setdefault(e.domain, []).append(e)
+                self.tokens += len(e.tokens)
+                new += 1
+        return new
+
+    def sample(self, rng: random.Random, n: int) -> list[D.Example]:
+        doms = sorted(self.train)
+        return [rng.choice(self.train[rng.choice(doms)]) for _ in range(n)]
+
+    def label_counts(self) -> Counter:
+        c: Counter = Counter()
+        for exs in self.train.values():
+            for e in exs:
+                c.update(e.labels[e.resp_start - 1:].tolist())
+        return c
+
+
+def text_token_counts(tok, n_per_domain: int = 1500) -> Counter:
+    """Token frequencies of training reference texts (tokenizer only, no target): a prior
+    for the draft vocabulary while few target-labelled shards exist."""
+    from adaflash import datasets as ds
+
+    c: Counter = Counter()
+    for dom in ds.DOMAINS:
+        for r in ds.train_texts(dom, n_per_domain):
+            c.update(tok.encode(r["response"]))
+    return c
+
+
+def frequent_vocab(pool: Pool, size: int, always: list[int], vocab_size: int, prior: Counter | None = None
+                   ) -> torch.Tensor:
+    """The ``size`` most frequent target top-1 labels in the answers (plus ``always``); label
+    counts weigh 4x, ``prior`` (reference-text token counts) 1x."""
+    size = min(size, vocab_size)
+    counts: Counter = Counter()
+    for t, n in pool.label_counts().items():
+        counts[t] += 4 * n
+    for t, n in (prior or {}).items():
+        if t < vocab_size:
+            counts[t] += n
+    ids = list(dict.fromkeys([*always, *[t for t, _ in counts.most_common(size)]]))[:size]
+    if len(ids) < size:  # little data: pad with the lowest unused ids so the size is what was asked
+        have = set(ids)
+        ids += [t for t in range(vocab_size) if t not in have][: size - len(ids)]
+    return torch.tensor(sorted(ids), dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_drafter(target, cfg: TrainConfig):
+    from torch import nn
+
+    from dataplane.drafter import Drafter, DrafterConfig
+
+    dc = DrafterConfig.for_target(target.args, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                  draft_vocab_size=cfg.draft_vocab_size, head_hidden=cfg.head_hidden)
+    dc.target_layers = list(cfg.target_layers)
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        d = Drafter(dc)
+        for m in d.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02 / math.sqrt(2))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+    d.rotary.inv_freq = d.rotary.inv_freq.float()
+    d.bind(target)
+    if cfg.init_from_target:
+        d.init_from_target(target, cfg.init_layers)
+    return d
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def position_weights(k: int, decay: float) -> torch.Tensor:
+    """[k] weights for block positions 0..k-1 (position 0 holds the known token: weight 0)."""
+    w = torch.exp(-(torch.arange(k, dtype=torch.float32) - 1) / decay)
+    w[0] = 0
+    return w
+
+
+def make_targets(ex: D.Example, anchors: torch.Tensor, k: int, vocab_index: torch.Tensor | None,
+                 consistent: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Labels [A, k] in the draft vocabulary, a validity mask [A, k] for block positions and
+    an in-vocabulary mask [A, k] (a label outside the draft vocabulary cannot be drafted:
+    no loss, and it counts as a miss).
+
+    Position i of the block at anchor a is labelled with the target's top-1 after token
+    a+i-1 (``ex.labels[a+i-1]``).
+    """
+    L = len(ex.tokens)
+    idx = anchors.unsqueeze(1) + torch.arange(k) - 1  # [A, k] label index a+i-1
+    valid = (idx >= anchors.unsqueeze(1)) & (idx <= L - 1)
+    idx_c = idx.clamp(0, L - 1)
+    lab = ex.labels[idx_c]
+    if consistent and ex.kind == "tf":
+        # real token at a+j equals target top-1 after a+j-1 for all 1 <= j < i
+        tok_next = ex.tokens[(idx_c + 1).clamp(max=L - 1)]
+        agree = (tok_next == lab) | ~valid
+        ok = torch.ones_like(valid)
+        ok[:, 2:] = torch.cumprod(agree[:, 1:-1].int(), dim=1).bool()
+        valid = valid & ok
+    invocab = torch.ones_like(valid)
+    if vocab_index is not None:
+        mapped = vocab_index[lab]
+        invocab = mapped >= 0
+        lab = mapped.clamp(min=0)
+    valid[:, 0] = False
+    return lab, valid, invocab
+
+
+def sample_anchors(ex: D.Example, n: int, rng: random.Random) -> torch.Tensor:
+    L = len(ex.tokens)
+    lo, hi = max(1, ex.resp_start - 1), L - 2  # the first block starts at the last prompt token
+    if hi < lo:
+        lo = hi = max(1, L - 2)
+    n = min(n, hi - lo + 1)
+    return torch.tensor(sorted(rng.sample(range(lo, hi + 1), n)), dtype=torch.int64)
+
+
+def block_losses(drafter, exs: list[D.Example], cfg: TrainConfig, rng: random.Random, w: torch.Tensor,
+                 vocab_index: torch.Tensor | None):
+    """Returns (CE loss, head MSE, stats) for a list of sequences."""
+    k = cfg.block_size
+    ce_sum = torch.zeros(())
+    wsum = 0.0
+    hs, accs, correct, counted, first_ok, first_n = [], [], 0, 0, 0, 0
+    for ex in exs:
+        anchors = sample_anchors(ex, cfg.anchors_per_seq, rng)
+        end = int(anchors.max()) + 1  # context needed: positions < anchor; tokens up to max anchor
+        h = drafter.forward_train(ex.hidden[:end].float(), ex.tokens[:end], anchors)  # [A, k, H]
+        lab, valid, invocab = make_targets(ex, anchors, k, vocab_index, cfg.tf_consistent_mask)
+        logits = drafter.logits(h[:, 1:])  # [A, k-1, Vd]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1), reduction="none")
+        ww = (w[1:].unsqueeze(0) * (valid & invocab)[:, 1:].float()).reshape(-1)
+        ce_sum = ce_sum + (ce * ww).sum()
+        wsum += float(ww.sum())
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == lab[:, 1:]) & (valid & invocab)[:, 1:]
+            run = torch.cumprod(hit.int(), dim=1).sum(1)  # leading accepted drafts per block
+            accs.append(run.float() / (k - 1))
+            correct += int(hit.sum())
+            counted += int(valid[:, 1:].sum())
+            first_ok += int(hit[:, 0].sum())
+            first_n += int(valid[:, 1].sum())
+        hs.append(h.detach())
+    loss = ce_sum / max(wsum, 1e-6)
+    a_star = torch.cat(accs)
+    a_hat = drafter.length_head(torch.cat(hs))
+    head_loss = F.mse_loss(a_hat, a_star)
+    stats = {"acc": correct / max(counted, 1), "acc1": first_ok / max(first_n, 1),
+             "sim_tau": 1 + float(a_star.mean()) * (k - 1)}
+    return loss, head_loss, stats
+
+
+@torch.no_grad()
+def validate(drafter, pool: Pool, cfg: TrainConfig, vocab_index) -> dict:
+    rng = random.Random(1234)
+    w = position_weights(cfg.block_size, cfg.decay)
+    by: dict[str, list] = {}
+    for ex in pool.val:
+        loss, hl, st = block_losses(drafter, [ex], cfg, rng, w, vocab_index)
+        by.setdefault(ex.domain, []).append((float(loss), float(hl), st["acc1"], st["sim_tau"]))
+    out = {}
+    for dom, rows in sorted(by.items()):
+        n = len(rows)
+        out[dom] = {"loss": sum(r[0] for r in rows) / n, "head_mse": sum(r[1] for r in rows) / n,
+                    "acc1": sum(r[2] for r in rows) / n, "sim_tau": sum(r[3] for r in rows) / n, "n": n}
+    return out
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip()]
+    tr = [r for r in rows if r["type"] == "train"]
+    if tr:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in tr], [r["loss"] for r in tr], lw=0.6, label="train CE (decay-weighted)")
+        va = [r for r in rows if r["type"] == "val"]
+        for dom in sorted({d for r in va for d in r["val"]}):
+            pts = [(r["step"], r["val"][dom]["loss"]) for r in va if dom in r["val"]]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"val {dom}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=100)
+        plt.close(fig)
+    ev = [r for r in rows if r["type"] == "eval"]
+    va = [r for r in rows if r["type"] == "val"]
+    if ev or va:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for dom in ("chat", "code", "math"):
+            pts = [(r["step"], r["tau"][dom]) for r in ev if dom in r.get("tau", {})]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"held-out tau {dom} (engine, k=16)")
+            pts = [(r["step"], r["val"][dom]["sim_tau"]) for r in va if dom in r["val"]]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), ls="--", lw=0.8, label=f"simulated tau {dom} (train-dist val)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("tau (mean accepted length)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "tau.png", dpi=100)
+        plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainConfig, progress: bool = True,
+          target_identity: dict | None = None) -> dict:
+    from tqdm import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    stored = D.store_layers(target.args.num_layers)
+    pool = Pool(data_root, cfg, list(stored))
+    if not pool.train:
+        raise RuntimeError(f"no training shards under {data_root}; run `python -m learner.data` first")
+    ckpt = out / "ckpt.pt"
+    drafter = build_drafter(target, cfg)
+    state = None
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise RuntimeError(f"{ckpt} was written with a different configuration; use another --out")
+        drafter.set_vocab_map(state["vocab_map"])
+        drafter.load_state_dict(state["drafter"])
+    elif cfg.draft_vocab_size:
+        drafter.set_vocab_map(frequent_vocab(pool, cfg.draft_vocab_size, [tok.eos_token_id], target.args.vocab_size,
+                                             text_token_counts(tok) if cfg.vocab_prior else None))
+    drafter.bind(target)
+    vocab_index = None
+    if cfg.draft_vocab_size:
+        vocab_index = torch.full((target.args.vocab_size,), -1, dtype=torch.int64)
+        vocab_index[drafter.vocab_map] = torch.arange(drafter.vocab_map.numel())
+    head_params = list(drafter.length_head.parameters())
+    hp = {id(p) for p in head_params}
+    body = [p for p in drafter.parameters() if id(p) not in hp and p.requires_grad]
+    opt = torch.optim.AdamW([{"params": body, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+                             {"params": head_params, "lr": cfg.head_lr, "weight_decay": 0.0}])
+    step, compute_s, seen_tokens = 0, 0.0, 0
+    rng = random.Random(cfg.seed)
+    if state is not None:
+        opt.load_state_dict(state["opt"])
+        step, compute_s, seen_tokens = state["step"], state["compute_s"], state["seen_tokens"]
+        rng.setstate(state["rng"])
+    log_f = open(out / "log.jsonl", "a")
+
+    def log(row):
+        log_f.write(json.dumps(row) + "\n")
+        log_f.flush()
+
+    def save_ckpt():
+        tmp = out / "ckpt.pt.tmp"
+        torch.save({"config": asdict(cfg), "drafter": drafter.state_dict(), "vocab_map": drafter.vocab_map,
+                    "opt": opt.state_dict(), "step": step, "compute_s": compute_s, "seen_tokens": seen_tokens,
+                    "rng": rng.getstate(), "pool_tokens": pool.tokens}, tmp)
+        os.replace(tmp, ckpt)
+
+    def run_eval():
+        from learner.offline_eval import evaluate
+
+        drafter.eval()
+        res = evaluate(target, tok, drafter, n=cfg.eval_prompts, max_tokens=cfg.eval_max_tokens)
+        drafter.train()
+        log({"type": "eval", "step": step, "tau": {d: r["tau"] for d, r in res["domains"].items()},
+             "mean_tau": res["mean_tau"], "detail": res})
+        return res
+
+    w = position_weights(cfg.block_size, cfg.decay)
+    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
+    drafter.train()
+    ema = None
+    stopped = "steps"
+    while step < cfg.steps:
+        if cfg.time_budget_s and time.time() - t_start > cfg.time_budget_s:
+            stopped = "time budget"
+            break
+        if cfg.rescan_every and step and step % cfg.rescan_every == 0:
+            if pool.refresh():
+                log({"type": "data", "step": step, "pool_tokens": pool.tokens,
+                     "seqs": {d: len(v) for d, v in pool.train.items()}})
+        t0 = time.time()
+        for g, base in zip(opt.param_groups, (cfg.lr, cfg.head_lr), strict=True):
+            g["lr"] = base * lr_at(step, cfg)
+        exs = pool.sample(rng, cfg.seqs_per_step)
+        loss, head_loss, st = block_losses(drafter, exs, cfg, rng, w, vocab_index)
+        opt.zero_grad(set_to_none=True)
+        (loss + head_loss).backward()
+        torch.nn.utils.clip_grad_norm_(body, 1.0)
+        opt.step()
+        step += 1
+        compute_s += time.time() - t0
+        seen_tokens += sum(min(len(e.tokens), cfg.anchors_per_seq * cfg.block_size) for e in exs)
+        lv = float(loss.detach())
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+        if step % 10 == 0:
+            log({"type": "train", "step": step, "loss": lv, "head_mse": float(head_loss),
+                 "lr": opt.param_groups[0]["lr"], **st, "compute_s": round(compute_s, 1)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{st['acc1']:.2f}")
+        if cfg.val_every and step % cfg.val_every == 0:
+            drafter.eval()
+            log({"type": "val", "step": step, "val": validate(drafter, pool, cfg, vocab_index)})
+            drafter.train()
+        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            save_ckpt()
+            plot(out)
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            run_eval()
+    bar.close()
+    save_ckpt()
+    drafter.eval()
+    val = validate(drafter, pool, cfg, vocab_index)
+    log({"type": "val", "step": step, "val": val})
+    res = run_eval() if cfg.eval_prompts else None
+    plot(out)
+    summary = D.summary(data_root)
+    training = {
+        "seed": cfg.seed, "config": asdict(cfg), "steps": step, "stopped": stopped,
+        "data": {"description": "target-labelled tokens from the training split of adaflash.datasets "
+                                "(ShareGPT V3 non-held-out conversations, HumanEval tasks 0-119, synthetic "
+                                "math seeds < 1,000,000): teacher-forced prefill over reference text (tf) and "
+                                "target greedy answers regenerated with the engine (regen)",
+                 "root": str(data_root), "streams": summary, "pool_tokens": pool.tokens},
+        "tokens_seen": seen_tokens, "blocks_seen": step * cfg.seqs_per_step * cfg.anchors_per_seq,
+        "compute": {"train_cpu_seconds": round(compute_s, 1), "threads": cfg.threads, "device": "cpu",
+                    "data_prep_seconds": round(sum(json.loads(p.read_text()).get("seconds", 0)
+                                                   for p in Path(data_root).glob("*/shard-*.json")), 1)},
+        "val": val, "heldout_tau": res,
+    }
+    bundle = out / "bundle"
+    from dataplane.drafter_io import save_bundle
+    from dataplane.target_cache import target_identity as tid
+
+    ident = target_identity or tid(target_dir)
+    save_bundle(drafter, bundle, ident, version="starter-0", lineage={"source": "offline"}, training=training)
+    (out / "result.json").write_text(json.dumps(training, indent=1))
+    log_f.close()
+    return training

@@ -1,0 +1,118 @@
+"""Offline data preparation, training, resume and held-out evaluation on a tiny target."""
+
+import json
+import random
+
+import torch
+
+from learner import data as D
+from learner import offline as O
+
+
+def _prepare(tiny_target, tok, root):
+    streams = [D.StreamSpec("tf", "math", 4, 512), D.StreamSpec("regen", "math", 3, 512, max_new_tokens=12)]
+    return D.prepare(tiny_target, tok, root, streams, max_shards=2, progress=False)
+
+
+def test_shards_resumable_and_labelled(tiny_target, tok, tmp_path):
+    res = _prepare(tiny_target, tok, tmp_path)
+    assert res["shards"] == {"tf-math": 2, "regen-math": 2}
+    paths = D.list_shards(tmp_path)
+    mtimes = [p.stat().st_mtime_ns for p in paths]
+    again = _prepare(tiny_target, tok, tmp_path)  # nothing recomputed
+    assert again["tokens"] == res["tokens"]
+    assert [p.stat().st_mtime_ns for p in paths] == mtimes
+    ex = D.load_shard(paths[0])[0]
+    layers = D.store_layers(4)
+    assert ex.hidden.dtype == torch.float16 and ex.hidden.shape == (len(ex.tokens), len(layers), 64)
+    # labels are the target's top-1 after each position
+    out = tiny_target.forward_packed(ex.tokens, [0, len(ex.tokens)], [tiny_target.new_cache(len(ex.tokens) + 1)],
+                                     hidden_layers=layers)
+    assert torch.equal(out.logits.argmax(-1), ex.labels)
+    assert torch.allclose(out.hidden.half().float(), ex.hidden.float(), atol=1e-2)
+    # regenerated answers are the target's greedy tokens: label after t-1 == token t
+    rg = [e for p in paths if "regen" in str(p) for e in D.load_shard(p)]
+    e = rg[0]
+    assert torch.equal(e.labels[e.resp_start - 1:-1], e.tokens[e.resp_start:])
+    s = D.summary(tmp_path)
+    assert s["tf-math"]["shards"] == 2 and s["regen-math"]["sequences"] == 6
+
+
+def test_make_targets_indices_and_masks():
+    L, k = 12, 4
+    toks = torch.arange(100, 100 + L)
+    labels = toks.roll(-1).clone()  # target agrees with the text everywhere ...
+    labels[6] = 7  # ... except after position 6
+    ex = D.Example(toks, labels, torch.zeros(L, 1, 8, dtype=torch.float16), 2, "chat", "tf")
+    anchors = torch.tensor([4, 9])
+    lab, valid, inv = O.make_targets(ex, anchors, k, None, consistent=True)
+    assert lab[0].tolist() == [labels[3], labels[4], labels[5], labels[6]]
+    assert valid[0].tolist() == [False, True, True, True]
+    lab2, valid2, _ = O.make_targets(ex, torch.tensor([5]), k, None, consistent=True)
+    # block at 5: positions predict labels[5], labels[6], labels[7]; text token 7 != labels[6]
+    assert valid2[0].tolist() == [False, True, True, False]
+    assert valid[1].tolist() == [False, True, True, True]  # label index 9+3-1 = 11 = L-1 is still valid
+    _, v3, _ = O.make_targets(ex, torch.tensor([10]), k, None, consistent=True)
+    assert v3[0].tolist() == [False, True, True, False]
+    vi = torch.full((300,), -1, dtype=torch.int64)
+    vi[labels[3]] = 0
+    _, _, inv = O.make_targets(ex, anchors, k, vi, consistent=False)
+    assert inv[0].tolist() == [True, False, False, False]  # only labels[3] is in the vocabulary
+
+
+def test_position_weights_and_lr():
+    w = O.position_weights(16, 7.0)
+    assert w[0] == 0 and abs(float(w[1]) - 1) < 1e-6 and bool((w[2:] < w[1:-1]).all())
+    cfg = O.TrainConfig(steps=100, warmup=10, min_lr_ratio=0.1)
+    assert O.lr_at(0, cfg) == 0.1 and abs(O.lr_at(10, cfg) - 1) < 1e-6 and abs(O.lr_at(100, cfg) - 0.1) < 1e-6
+
+
+def test_train_resume_bundle_and_eval(tiny_target, tok, tmp_path):
+    root = tmp_path / "data"
+    _prepare(tiny_target, tok, root)
+    cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=64, head_hidden=16, steps=40,
+                        lr=3e-3, warmup=5, seqs_per_step=2, anchors_per_seq=4, val_every=20, eval_prompts=2,
+                        eval_max_tokens=12, domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0)
+    out = tmp_path / "run"
+    ident = {"id": "tiny", "sha256": "0" * 64}
+    cfg_half = O.TrainConfig(**{**cfg.__dict__, "time_budget_s": 1e-9})  # stops at once
+    try:
+        O.train(tiny_target, tok, tmp_path, root, out, cfg_half, progress=False, target_identity=ident)
+    except RuntimeError:
+        pass
+    # a different config must not silently resume the checkpoint
+    import shutil
+    shutil.rmtree(out)
+    res = O.train(tiny_target, tok, tmp_path, root, out, cfg, progress=False, target_identity=ident)
+    assert res["steps"] == 40
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["type"] == "train"]
+    assert losses[-1] < losses[0]
+    assert (out / "loss.png").exists() and (out / "tau.png").exists()
+    ev = res["heldout_tau"]
+    assert set(ev["domains"]) == {"chat", "code", "math"} and all(r["tau"] >= 1 for r in ev["domains"].values())
+    # resume: a longer run continues from step 40
+    cfg2 = O.TrainConfig(**{**cfg.__dict__, "steps": 50})
+    ck = torch.load(out / "ckpt.pt", weights_only=False)
+    ck["config"] = cfg2.__dict__
+    torch.save(ck, out / "ckpt.pt")
+    res2 = O.train(tiny_target, tok, tmp_path, root, out, cfg2, progress=False, target_identity=ident)
+    assert res2["steps"] == 50
+    steps = [r["step"] for r in (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines())
+             if r["type"] == "train"]
+    assert steps == sorted(steps) and steps[-1] == 50 and steps.count(40) == 1
+    from dataplane.drafter_io import load_bundle
+
+    d, man = load_bundle(out / "bundle", tiny_target, ident)
+    assert d.config.draft_vocab_size == 64 and man.training["steps"] == 50
+    assert man.training["seed"] == 0 and "compute" in man.training and man.lineage.source == "offline"
+
+
+def test_eval_identical_to_ar(tiny_target, tok):
+    from learner.offline_eval import evaluate
+
+    cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=0, head_hidden=8)
+    d = O.build_drafter(tiny_target, cfg).eval().requires_grad_(False)
+    res = evaluate(tiny_target, tok, d, n=2, max_tokens=10, domains=("math", "code"), check_ar=True)
+    assert all(r["identical_to_ar"] for r in res["domains"].values())
+    assert res["domains"]["math"]["n"] == 2
