@@ -107,9 +107,20 @@ class ControlplaneConfig(BaseModel):
 
 
 class TelemetryConfig(BaseModel):
+    """OpenTelemetry traces and metrics (see adaflash/telemetry.py)."""
+
     exporter: Literal["none", "console", "file", "otlp", "memory"] = "file"
+    # OTLP over HTTP: a collector base URL such as http://otel-collector:4318 (the
+    # /v1/traces and /v1/metrics paths are appended) or full signal URLs. Empty: the
+    # standard OTEL_EXPORTER_OTLP_* environment variables, else http://localhost:4318.
     otlp_endpoint: str = ""
-    file_path: str = ""  # empty: $ADAFLASH_HOME/traces.jsonl
+    # JSON lines of finished spans. Empty: $ADAFLASH_HOME/traces-<service>.jsonl; a
+    # "{service}" in the path is replaced by the service name.
+    file_path: str = ""
+    # Metrics of the file exporter go beside the traces: metrics-<service>.jsonl.
+    metrics_interval_s: float = 60.0
+    # Head sampling of new traces (parent-based: a sampled parent is always followed).
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
 class _YamlSource(PydanticBaseSettingsSource):
