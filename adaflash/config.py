@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, Field
@@ -148,7 +148,7 @@ class Settings(BaseSettings):
     controlplane: ControlplaneConfig = ControlplaneConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 
-    _yaml_data: dict[str, Any] = {}
+    _yaml_data: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
