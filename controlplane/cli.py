@@ -22,5 +22,5 @@ def run(args: argparse.Namespace, settings) -> int:
     host = args.host or settings.controlplane.host
     port = args.port if args.port is not None else settings.controlplane.port
     app = create_app(settings)
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level="info")
     return 0
