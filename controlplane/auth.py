@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from adaflash.config import ControlplaneConfig, Settings
 from controlplane import audit
 from controlplane.db import utcnow
-from controlplane.errors import Conflict, Forbidden, NotFound, Unauthorized
+from controlplane.errors import Conflict, Forbidden, Invalid, NotFound, Unauthorized
 from controlplane.models import ApiKey
 from controlplane.states import Role
 
@@ -103,11 +103,11 @@ def create_key(session: Session, *, name: str, role: Role, actor: str, tenants: 
     role = Role(role)
     tenants = sorted(set(tenants or []))
     if role == Role.auditor and not tenants:
-        raise Conflict("an auditor key needs at least one tenant in its scope")
+        raise Invalid("an auditor key needs at least one tenant in its scope")
     if role != Role.auditor and tenants:
-        raise Conflict("only auditor keys carry a tenant scope")
+        raise Invalid("only auditor keys carry a tenant scope")
     if node_id and role != Role.node:
-        raise Conflict("only node keys are bound to a node")
+        raise Invalid("only node keys are bound to a node")
     key_id, secret, salt = secrets.token_hex(6), secrets.token_urlsafe(32), secrets.token_hex(16)
     row = ApiKey(key_id=key_id, name=name, role=role.value, tenants=tenants, node_id=node_id, salt=salt,
                  secret_hash=hash_secret(salt, secret), created_by=actor, created_at=utcnow(),

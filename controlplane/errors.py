@@ -32,3 +32,10 @@ class Conflict(ControlPlaneError):
 
     status = 409
     code = "conflict"
+
+
+class Invalid(ControlPlaneError):
+    """Well-formed but not acceptable (e.g. an auditor key without tenants)."""
+
+    status = 422
+    code = "validation_error"

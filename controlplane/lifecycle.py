@@ -328,3 +328,61 @@ def _nodes(session: Session, node_ids: list[str] | None) -> list[Node]:
     if missing:
         raise NotFound(f"unknown nodes: {', '.join(missing)}")
     return [found[i] for i in sorted(found)]
+
+
+# -- rollout steps (the reconciler drives these; each is persisted before nodes act) ---------------------------
+def _set_desired(session: Session, node_ids: list[str], version: str | None, *, actor: str, now: datetime) -> None:
+    nodes = _nodes(session, node_ids) if node_ids else []
+    before = {n.node_id: n.desired_version for n in nodes}
+    for n in nodes:
+        n.desired_version = version
+    audit.record(session, actor=actor, action="nodes.desired", target=f"version:{version}",
+                 before={"desired": before}, after={"desired": {n.node_id: version for n in nodes}}, at=now)
+
+
+def begin_canary(session: Session, p: Promotion, canary_nodes: list[str], *, actor: str,
+                 now: datetime | None = None) -> Promotion:
+    """pending -> canary: the chosen canary nodes get the candidate as their desired version."""
+    now = now or utcnow()
+    advance_promotion(session, p, PromotionState.canary, actor=actor, now=now, canary_nodes=sorted(canary_nodes))
+    transition(session, get_version(session, p.version), VersionState.canary, actor=actor, now=now)
+    _set_desired(session, sorted(canary_nodes), p.version, actor=actor, now=now)
+    return p
+
+
+def begin_watch(session: Session, p: Promotion, watch_s: float, *, actor: str, now: datetime | None = None):
+    """canary -> watching: the canaries serve the candidate; live metrics are judged until watch_until."""
+    now = now or utcnow()
+    return advance_promotion(session, p, PromotionState.watching, actor=actor, now=now,
+                             watch_until=now + timedelta(seconds=watch_s))
+
+
+def begin_rollout(session: Session, p: Promotion, *, actor: str, now: datetime | None = None) -> Promotion:
+    """pending | watching -> rolling_out: every node gets the candidate as its desired version
+    (straight from pending when the fleet has no canary node)."""
+    now = now or utcnow()
+    was_pending = p.state == PromotionState.pending.value
+    advance_promotion(session, p, PromotionState.rolling_out, actor=actor, now=now)
+    if was_pending:
+        transition(session, get_version(session, p.version), VersionState.canary, actor=actor, now=now)
+    _set_desired(session, [n.node_id for n in _nodes(session, None)], p.version, actor=actor, now=now)
+    return p
+
+
+def complete_promotion(session: Session, p: Promotion, *, actor: str, now: datetime | None = None) -> Promotion:
+    """rolling_out -> completed (the candidate is champion, the old champion `previous`), or
+    rolling_back -> completed for an operator rollback whose nodes converged."""
+    now = now or utcnow()
+    if p.kind == PromotionKind.rollback.value:
+        return advance_promotion(session, p, PromotionState.completed, actor=actor, now=now)
+    old = alias(session, ALIAS_CHAMPION)
+    advance_promotion(session, p, PromotionState.completed, actor=actor, now=now)
+    if old is not None and old != p.version:
+        transition(session, get_version(session, old), VersionState.retired, actor=actor,
+                   reason=f"replaced by {p.version}", now=now)
+    transition(session, get_version(session, p.version), VersionState.champion, actor=actor, now=now)
+    _set_alias(session, ALIAS_PREVIOUS, old if old != p.version else alias(session, ALIAS_PREVIOUS), now)
+    _set_alias(session, ALIAS_CHAMPION, p.version, now)
+    audit.record(session, actor=actor, action="alias.set", target="alias:champion",
+                 before={"champion": old}, after={"champion": p.version, "previous": old}, at=now)
+    return p

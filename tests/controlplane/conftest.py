@@ -18,7 +18,11 @@ PG_ADMIN_DSN = os.environ.get("ADAFLASH_TEST_PG", "postgresql://postgres@127.0.0
 
 
 @pytest.fixture
-def settings(tmp_path):
+def settings(request, tmp_path):
+    """SQLite under a fresh home; parametrize indirectly with "postgresql" for a throwaway database."""
+    if getattr(request, "param", "sqlite") == "postgresql":
+        url = request.getfixturevalue("pg_url")
+        return load_config(home=tmp_path / "home", controlplane={"database_url": url})
     return load_config(home=tmp_path / "home")
 
 
