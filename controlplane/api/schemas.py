@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from fastapi import Query
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from controlplane.states import DeletionScope, DeletionState, NodeRole, Role
 
@@ -14,17 +15,27 @@ VERSION_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 NODE_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 
 
-def _printable(v: str) -> str:
-    # PostgreSQL refuses NUL in text, and control characters have no business in these fields.
-    if any(ord(c) < 32 and c not in "\t\n\r" for c in v):
-        raise ValueError("control characters are not allowed")
+# No control characters apart from tab and newlines: PostgreSQL refuses NUL in text, and
+# the rest have no business in reasons and names. A pattern, so the OpenAPI document says so.
+PRINTABLE = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+Text = Annotated[str, Field(pattern=PRINTABLE)]
+Reason = Annotated[str, Field(min_length=1, max_length=2000, pattern=PRINTABLE)]
+TenantId = Annotated[str, Field(pattern=ID_PATTERN)]
+NodeId = Annotated[str, Field(pattern=NODE_PATTERN)]
+Offset = Annotated[int, Query(ge=0, le=1_000_000_000)]
+# No quiet coercion of JSON values: false is not 0.0, "1" is not true, 0 is not a date.
+Number = Annotated[float, Strict()]
+Flag = Annotated[bool, Strict()]
+
+
+def _iso_string(v):
+    if v is not None and not isinstance(v, str):
+        raise ValueError("expected an ISO 8601 date-time string")
     return v
 
 
-Text = Annotated[str, AfterValidator(_printable)]
-Reason = Annotated[str, Field(min_length=1, max_length=2000), AfterValidator(_printable)]
-TenantId = Annotated[str, Field(pattern=ID_PATTERN)]
-NodeId = Annotated[str, Field(pattern=NODE_PATTERN)]
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_iso_string)]
+Limit = Annotated[int, Query(ge=1, le=500)]
 
 
 class Input(BaseModel):
@@ -101,7 +112,7 @@ class VersionDetail(VersionOut):
 
 
 class ApproveIn(Input):
-    reason: Annotated[str, Field(max_length=2000), AfterValidator(_printable)] = ""
+    reason: Annotated[str, Field(max_length=2000, pattern=PRINTABLE)] = ""
 
 
 class ReasonIn(Input):
@@ -154,12 +165,12 @@ class NodeUpdate(Input):
 
 class HeartbeatIn(Input):
     served_version: Annotated[str, Field(pattern=VERSION_PATTERN)] | None = None
-    url: Annotated[str, Field(max_length=512), AfterValidator(_printable)] = ""
-    live_tau: float | None = Field(default=None, ge=0.0)
-    live_tps: float | None = Field(default=None, ge=0.0)
-    error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    url: Annotated[str, Field(max_length=512, pattern=PRINTABLE)] = ""
+    live_tau: Number | None = Field(default=None, ge=0.0)
+    live_tps: Number | None = Field(default=None, ge=0.0)
+    error_rate: Number | None = Field(default=None, ge=0.0, le=1.0)
     status: Literal["ready", "loading", "degraded", "error"] = "ready"
-    message: Annotated[str, Field(max_length=2000), AfterValidator(_printable)] | None = None
+    message: Annotated[str, Field(max_length=2000, pattern=PRINTABLE)] | None = None
 
 
 class DesiredOut(BaseModel):
@@ -177,16 +188,16 @@ class HeartbeatOut(BaseModel):
 class TenantPolicyIn(Input):
     """A tenant's policy without its id (the id is in the path)."""
 
-    sampling_rate: float = Field(default=1.0, ge=0.0, le=1.0)
-    opt_out: bool = False
-    ttl_days: float = Field(default=30.0, gt=0.0, le=36500.0)
-    share_cap: float = Field(default=0.5, gt=0.0, le=1.0)
+    sampling_rate: Number = Field(default=1.0, ge=0.0, le=1.0)
+    opt_out: Flag = False
+    ttl_days: Number = Field(default=30.0, gt=0.0, le=36500.0)
+    share_cap: Number = Field(default=0.5, gt=0.0, le=1.0)
 
 
 class DeletionIn(Input):
     tenant_id: TenantId
     scope: DeletionScope
-    ids: list[Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_printable)]] = Field(
+    ids: list[Annotated[str, Field(min_length=1, max_length=256, pattern=PRINTABLE)]] = Field(
         default_factory=list, max_length=10000)
     reason: Reason
 
@@ -235,11 +246,11 @@ class AuditVerifyOut(BaseModel):
 
 # -- keys -------------------------------------------------------------------------------------------------------
 class KeyIn(Input):
-    name: Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_printable)]
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE)]
     role: Role
     tenants: list[TenantId] = Field(default_factory=list, max_length=1000)  # auditors only
     node_id: NodeId | None = None  # node keys only
-    expires_at: AwareDatetime | None = None
+    expires_at: Timestamp | None = None
 
 
 class KeyOut(BaseModel):

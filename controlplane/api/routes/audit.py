@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from controlplane import audit
 from controlplane.api.deps import READ, SessionDep, allow
-from controlplane.api.schemas import ID_PATTERN, AuditEntryOut, AuditVerifyOut
+from controlplane.api.schemas import ID_PATTERN, AuditEntryOut, AuditVerifyOut, Limit
 from controlplane.auth import Principal, visible_tenants
 from controlplane.states import Role
 
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/audit", tags=["audit"])
 
 
 @router.get("", response_model=list[AuditEntryOut], summary="Audit entries in order, after a sequence number")
-def list_audit(after_seq: int = Query(0, ge=0, le=2**62), limit: int = Query(100, ge=1, le=500),
+def list_audit(after_seq: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0, limit: Limit = 100,
                action: Annotated[str | None, Query(max_length=64, pattern=r"^[a-z_.]+$")] = None,
                tenant_id: Annotated[str | None, Query(pattern=ID_PATTERN)] = None,
                session: Session = SessionDep, who: Principal = Depends(allow(Role.auditor, *READ))):

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from adaflash.config import Settings
 from controlplane.api.deps import READ, SessionDep, allow, get_settings
-from controlplane.api.schemas import VERSION_PATTERN, EvaluationOut
+from controlplane.api.schemas import VERSION_PATTERN, EvaluationOut, Limit, Offset
 from controlplane.auth import Principal
 from controlplane.errors import NotFound
 from controlplane.models import Evaluation
@@ -41,7 +41,7 @@ def _get(session: Session, evaluation_id: int) -> Evaluation:
 
 @router.get("", response_model=list[EvaluationOut], summary="Evaluations, newest first")
 def list_evaluations(version: Annotated[str | None, Query(pattern=VERSION_PATTERN)] = None,
-                     limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
+                     limit: Limit = 50, offset: Offset = 0,
                      session: Session = SessionDep, _: Principal = Depends(allow(*READ))):
     q = select(Evaluation)
     if version:

@@ -11,7 +11,7 @@ from adaflash.config import Settings
 from adaflash.contracts.tenancy import TenantPolicy
 from controlplane import tenants
 from controlplane.api.deps import ADMIN, READ, SessionDep, allow, get_settings
-from controlplane.api.schemas import ID_PATTERN, DeletionIn, DeletionOut, TenantPolicyIn
+from controlplane.api.schemas import ID_PATTERN, DeletionIn, DeletionOut, Limit, Offset, TenantPolicyIn
 from controlplane.auth import Principal, require_tenant, visible_tenants
 from controlplane.models import DeletionRequest
 from controlplane.states import Role
@@ -59,7 +59,7 @@ def create_deletion(body: DeletionIn, session: Session = SessionDep, who: Princi
 
 @deletions.get("", response_model=list[DeletionOut], summary="Deletion requests, oldest first")
 def list_deletions(tenant_id: Annotated[str | None, Query(pattern=ID_PATTERN)] = None,
-                   limit: int = Query(100, ge=1, le=500), offset: int = Query(0, ge=0),
+                   limit: Limit = 100, offset: Offset = 0,
                    session: Session = SessionDep, who: Principal = Depends(allow(Role.auditor, *READ))):
     rows = tenants.list_deletions(session, visible_tenants(who, tenant_id), limit=limit, offset=offset)
     return [deletion_out(r) for r in rows]

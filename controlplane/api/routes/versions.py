@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -15,6 +15,8 @@ from controlplane.api.schemas import (
     ApprovalOut,
     ApproveIn,
     GateResultOut,
+    Limit,
+    Offset,
     PinIn,
     PinOut,
     PromotionOut,
@@ -70,8 +72,8 @@ def _detail(session: Session, version: str) -> VersionDetail:
 
 
 @router.get("", response_model=list[VersionOut], summary="List versions, newest first")
-def list_versions(state: VersionState | None = None, limit: int = Query(100, ge=1, le=500),
-                  offset: int = Query(0, ge=0), session: Session = SessionDep,
+def list_versions(state: VersionState | None = None, limit: Limit = 100,
+                  offset: Offset = 0, session: Session = SessionDep,
                   _: Principal = Depends(allow(*READ))):
     q = select(Version)
     if state is not None:
@@ -131,7 +133,7 @@ promotions = APIRouter(prefix="/promotions", tags=["versions"])
 
 
 @promotions.get("", response_model=list[PromotionOut], summary="Rollouts and rollbacks, newest first")
-def list_promotions(active: bool = False, limit: int = Query(100, ge=1, le=500), offset: int = Query(0, ge=0),
+def list_promotions(active: bool = False, limit: Limit = 100, offset: Offset = 0,
                     session: Session = SessionDep, _: Principal = Depends(allow(*READ))):
     q = select(Promotion)
     if active:
