@@ -82,3 +82,32 @@ def test_aliases_and_tags(registry, published):
     assert registry.alias(ALIAS_CHAMPION) == v1.version and registry.alias(ALIAS_PREVIOUS) is None
     with pytest.raises(RegistryError, match="no 'previous'"):
         registry.rollback()
+
+
+def test_discovery_records_new_versions_once(registry, published, tmp_path):
+    from controlplane.db import make_engine, make_sessionmaker, session_scope, upgrade
+    from controlplane.discovery import sync_versions
+    from controlplane.gates import load_policy
+    from controlplane.lifecycle import get_version
+
+    bad = publish_candidate(registry, make_drafter_dir(tmp_path / "f", seed=6))
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "manifest.json").write_text("{not a manifest")
+    (tmp_path / "g" / "manifest.json").replace(bad.source.removeprefix("file://") + "/manifest.json")
+
+    url = f"sqlite:///{tmp_path / 'cp.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    sessions = make_sessionmaker(engine)
+    with session_scope(sessions) as s:
+        found = {d.version: d for d in sync_versions(s, registry, load_policy())}
+    assert set(found) == {v.version for v in registry.list_versions()}
+    assert found[published[0].version].manifest_ok and not found[bad.version].manifest_ok
+    with session_scope(sessions) as s:
+        v1 = get_version(s, published[0].version)
+        assert v1.state == "registered" and v1.manifest_sha256 == registry.fetch_manifest(v1.version)[1]
+        assert v1.lineage["tenants"] == ["acme", "globex"] and v1.source_uri == published[0].source
+        assert "manifest unreadable" in get_version(s, bad.version).state_reason
+        assert sync_versions(s, registry, load_policy()) == []  # repeating finds nothing new
+    assert registry.get(published[0].version).tags[TAG_STATE] == "registered"
+    engine.dispose()
