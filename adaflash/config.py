@@ -101,9 +101,14 @@ class ControlplaneConfig(BaseModel):
     database_url: str = ""  # empty: sqlite under $ADAFLASH_HOME
     mlflow_tracking_uri: str = ""  # empty: sqlite + local artifacts under $ADAFLASH_HOME
     policy_file: str = ""  # empty: the packaged default gate policy
-    jwt_issuer: str = ""
+    jwt_issuer: str = ""  # empty: API keys only; set: HS256 bearer JWTs from this issuer too
     jwt_audience: str = "adaflash"
     jwt_secret_env: str = "ADAFLASH_JWT_SECRET"
+    jwt_leeway_s: float = 30.0
+    admin_token_file: str = ""  # empty: $ADAFLASH_HOME/admin-token (written once, mode 0600)
+    evaluations_dir: str = ""  # empty: $ADAFLASH_HOME/evaluations (reports and plots)
+    heartbeat_timeout_s: float = 30.0  # a node silent this long is reported stale
+    page_limit_max: int = 500  # largest page any list endpoint returns
 
 
 class TelemetryConfig(BaseModel):
