@@ -57,7 +57,10 @@ class DataplaneConfig(BaseModel):
     # Admin endpoints: bearer token read from this env var or file (never from the repo).
     admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     admin_token_file: str = ""
-    controlplane_url: str = ""
+    controlplane_url: str = ""  # empty: no reconciliation (standalone node)
+    controlplane_token_env: str = "ADAFLASH_NODE_TOKEN"
+    controlplane_token_file: str = ""
+    public_url: str = ""  # how the control plane reaches this node; empty: http://host:port
     reconcile_interval_s: float = 5.0
     # Break-even rule: verify a single token (plain decoding) when expected gain < 1.
     breakeven: bool = True
