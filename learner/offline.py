@@ -68,6 +68,11 @@ class TrainConfig:
     time_budget_s: float = 0.0
 
 
+# Settings that may change when a run is resumed (steps: the schedule is recomputed).
+RUN_CONTROL = {"steps", "time_budget_s", "threads", "eval_every", "eval_prompts", "eval_max_tokens", "val_every",
+               "ckpt_every", "rescan_every"}
+
+
 # --------------------------------------------------------------------------- data pool
 
 
@@ -211,7 +216,9 @@ def make_targets(ex: D.Example, anchors: torch.Tensor, k: int, vocab_index: torc
 
 def sample_anchors(ex: D.Example, n: int, rng: random.Random) -> torch.Tensor:
     L = len(ex.tokens)
-    lo, hi = max(1, ex.resp_start - 1), L - 2  # the first block starts at the last prompt token
+    # The target itself supplies the first answer token (prefill), so the first block is
+    # anchored on it: anchors run over answer positions.
+    lo, hi = max(1, ex.resp_start), L - 2
     if hi < lo:
         lo = hi = max(1, L - 2)
     n = min(n, hi - lo + 1)
@@ -338,8 +345,11 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     state = None
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state["config"] != asdict(cfg):
-            raise RuntimeError(f"{ckpt} was written with a different configuration; use another --out")
+        changed = {k for k in set(state["config"]) | set(asdict(cfg))
+                   if state["config"].get(k) != asdict(cfg).get(k) and k not in RUN_CONTROL}
+        if changed:
+            raise RuntimeError(f"{ckpt} was written with a different configuration ({sorted(changed)}); "
+                               "use another --out")
         drafter.set_vocab_map(state["vocab_map"])
         drafter.load_state_dict(state["drafter"])
     elif cfg.draft_vocab_size:

@@ -41,6 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--kinds", default="regen,tf")
     p.add_argument("--domains", default="chat,code,math")
     p.add_argument("--val-every", type=int, default=250)
+    p.add_argument("--rescan-every", type=int, default=200, help="steps between looks for new data shards")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-max-tokens", type=int, default=96)
@@ -71,7 +72,7 @@ def run(args, settings) -> int:
         draft_vocab_size=args.draft_vocab, steps=args.steps, lr=args.lr, warmup=args.warmup,
         min_lr_ratio=args.min_lr_ratio, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
         decay=args.decay, kinds=args.kinds.split(","), domains=args.domains.split(","), val_every=args.val_every,
-        ckpt_every=args.val_every, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+        ckpt_every=args.val_every, rescan_every=args.rescan_every, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens, threads=args.threads, time_budget_s=args.time_budget)
     res = train(target, tok, d, root, Path(args.out), cfg, target_identity=target_identity(d))
     if args.install:
