@@ -56,6 +56,8 @@ class TrainConfig:
     decay: float = 7.0  # per-position loss weight exp(-(i-1)/decay)
     kinds: list[str] = field(default_factory=lambda: ["regen", "tf"])
     domains: list[str] = field(default_factory=lambda: ["chat", "code", "math"])
+    streams: list[str] = field(default_factory=list)  # e.g. ["regen-math", "tf-chat"]; empty: kinds x domains
+    domain_weights: dict[str, float] = field(default_factory=dict)  # sampling weight per domain; empty: uniform
     tf_consistent_mask: bool = True
     val_every: int = 250
     ckpt_every: int = 250
@@ -69,8 +71,10 @@ class TrainConfig:
 
 
 # Settings that may change when a run is resumed (steps: the schedule is recomputed).
+# The data mix may change too (a curriculum); every start is logged with its config and
+# listed in the manifest's ``phases``.
 RUN_CONTROL = {"steps", "time_budget_s", "threads", "eval_every", "eval_prompts", "eval_max_tokens", "val_every",
-               "ckpt_every", "rescan_every"}
+               "ckpt_every", "rescan_every", "streams", "domain_weights", "kinds", "domains"}
 
 
 # --------------------------------------------------------------------------- data pool
@@ -92,6 +96,8 @@ class Pool:
     def refresh(self) -> int:
         new = 0
         for p in D.list_shards(self.root, kinds=self.cfg.kinds, domains=self.cfg.domains):
+            if self.cfg.streams and p.parent.name not in self.cfg.streams:
+                continue
             if str(p) in self.loaded:
                 continue
             self.loaded.add(str(p))
@@ -108,7 +114,8 @@ class Pool:
 
     def sample(self, rng: random.Random, n: int) -> list[D.Example]:
         doms = sorted(self.train)
-        return [rng.choice(self.train[rng.choice(doms)]) for _ in range(n)]
+        wts = [self.cfg.domain_weights.get(d, 1.0) if self.cfg.domain_weights else 1.0 for d in doms]
+        return [rng.choice(self.train[rng.choices(doms, wts)[0]]) for _ in range(n)]
 
     def label_counts(self) -> Counter:
         c: Counter = Counter()
@@ -394,6 +401,8 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
              "mean_tau": res["mean_tau"], "detail": res})
         return res
 
+    log({"type": "start", "step": step, "config": asdict(cfg), "pool_tokens": pool.tokens,
+         "streams": sorted({Path(p).parent.name for p in pool.loaded})})
     w = position_weights(cfg.block_size, cfg.decay)
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
     drafter.train()
@@ -445,6 +454,9 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     summary = D.summary(data_root)
     training = {
         "seed": cfg.seed, "config": asdict(cfg), "steps": step, "stopped": stopped,
+        "phases": [{"step": r["step"], "config": r["config"]} for r in
+                   (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip())
+                   if r["type"] == "start"],
         "data": {"description": "target-labelled tokens from the training split of adaflash.datasets "
                                 "(ShareGPT V3 non-held-out conversations, HumanEval tasks 0-119, synthetic "
                                 "math seeds < 1,000,000): teacher-forced prefill over reference text (tf) and "

@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--decay", type=float, default=7.0)
     p.add_argument("--kinds", default="regen,tf")
     p.add_argument("--domains", default="chat,code,math")
+    p.add_argument("--streams", default="", help="shard streams to train on, e.g. regen-math,tf-chat (default all)")
+    p.add_argument("--domain-weights", default="", help="sampling weights, e.g. math=0.4,code=0.35,chat=0.25")
     p.add_argument("--val-every", type=int, default=250)
     p.add_argument("--rescan-every", type=int, default=200, help="steps between looks for new data shards")
     p.add_argument("--eval-every", type=int, default=0)
@@ -71,6 +73,8 @@ def run(args, settings) -> int:
         init_from_target=not args.no_init_from_target, init_layers=_ints(args.init_layers) or None,
         draft_vocab_size=args.draft_vocab, steps=args.steps, lr=args.lr, warmup=args.warmup,
         min_lr_ratio=args.min_lr_ratio, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
+        streams=[x for x in args.streams.split(",") if x],
+        domain_weights={k: float(v) for k, v in (x.split("=") for x in args.domain_weights.split(",") if x)},
         decay=args.decay, kinds=args.kinds.split(","), domains=args.domains.split(","), val_every=args.val_every,
         ckpt_every=args.val_every, rescan_every=args.rescan_every, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens, threads=args.threads, time_budget_s=args.time_budget)

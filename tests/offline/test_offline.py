@@ -85,7 +85,8 @@ def test_train_resume_bundle_and_eval(tiny_target, tok, tmp_path):
     ev = res["heldout_tau"]
     assert set(ev["domains"]) == {"chat", "code", "math"} and all(r["tau"] >= 1 for r in ev["domains"].values())
     # resume: a longer run continues from step 40
-    cfg2 = O.TrainConfig(**{**cfg.__dict__, "steps": 50})
+    # resume with a longer schedule and a narrower data mix (a logged curriculum phase)
+    cfg2 = O.TrainConfig(**{**cfg.__dict__, "steps": 50, "streams": ["regen-math"], "domain_weights": {"math": 1.0}})
     bad = O.TrainConfig(**{**cfg.__dict__, "lr": 1.0})
     with pytest.raises(RuntimeError, match="lr"):
         O.train(tiny_target, tok, tmp_path, root, out, bad, progress=False, target_identity=ident)
@@ -99,6 +100,9 @@ def test_train_resume_bundle_and_eval(tiny_target, tok, tmp_path):
     d, man = load_bundle(out / "bundle", tiny_target, ident)
     assert d.config.draft_vocab_size == 64 and man.training["steps"] == 50
     assert man.training["seed"] == 0 and "compute" in man.training and man.lineage.source == "offline"
+    starts = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if '"start"' in x]
+    assert [r["step"] for r in starts] == [0, 40] and starts[1]["streams"] == ["regen-math"]
+    assert [p["step"] for p in man.training["phases"]] == [0, 40]
 
 
 def test_eval_identical_to_ar(tiny_target, tok):
