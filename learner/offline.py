@@ -40,6 +40,8 @@ class TrainConfig:
     num_layers: int = 1
     target_layers: list[int] = field(default_factory=lambda: [1, 10, 18, 27, 29])
     init_from_target: bool = True
+    init_bigram: bool = True  # write a low-rank bigram model into the first layer (learner.offline_init)
+    bigram_temperature: float = 0.15
     init_layers: list[int] | None = None  # target layers copied into the drafter (default: the last ones)
     draft_vocab_size: int = 8192  # 0: full vocabulary
     vocab_prior: bool = True  # add reference-text token counts to the label counts
@@ -349,6 +351,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
         raise RuntimeError(f"no training shards under {data_root}; run `python -m learner.data` first")
     ckpt = out / "ckpt.pt"
     drafter = build_drafter(target, cfg)
+    init_stats = None
     state = None
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -359,9 +362,17 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
                                "use another --out")
         drafter.set_vocab_map(state["vocab_map"])
         drafter.load_state_dict(state["drafter"])
-    elif cfg.draft_vocab_size:
-        drafter.set_vocab_map(frequent_vocab(pool, cfg.draft_vocab_size, [tok.eos_token_id], target.args.vocab_size,
-                                             text_token_counts(tok) if cfg.vocab_prior else None))
+    else:
+        if cfg.draft_vocab_size:
+            drafter.set_vocab_map(frequent_vocab(pool, cfg.draft_vocab_size, [tok.eos_token_id],
+                                                 target.args.vocab_size,
+                                                 text_token_counts(tok) if cfg.vocab_prior else None))
+        drafter.bind(target)
+        if cfg.init_bigram:
+            from learner.offline_init import bigram_counts, fit_bigram
+
+            init_stats = fit_bigram(drafter, target, bigram_counts([e for v in pool.train.values() for e in v]),
+                                    temperature=cfg.bigram_temperature)
     drafter.bind(target)
     vocab_index = None
     if cfg.draft_vocab_size:
@@ -401,8 +412,11 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
              "mean_tau": res["mean_tau"], "detail": res})
         return res
 
-    log({"type": "start", "step": step, "config": asdict(cfg), "pool_tokens": pool.tokens,
+    log({"type": "start", "step": step, "config": asdict(cfg), "pool_tokens": pool.tokens, "init": init_stats,
          "streams": sorted({Path(p).parent.name for p in pool.loaded})})
+    if step == 0 and cfg.val_every:
+        drafter.eval()
+        log({"type": "val", "step": 0, "val": validate(drafter, pool, cfg, vocab_index)})
     w = position_weights(cfg.block_size, cfg.decay)
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
     drafter.train()

@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--target-layers", default="1,10,18,27,29")
     p.add_argument("--init-layers", default="", help="target layers copied into the drafter (default: last ones)")
     p.add_argument("--no-init-from-target", action="store_true")
+    p.add_argument("--no-init-bigram", action="store_true", help="skip the bigram initialisation")
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced output vocabulary; 0 = full")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
@@ -70,7 +71,7 @@ def run(args, settings) -> int:
         D.prepare(target, tok, root, time_budget_s=args.prepare_seconds)
     cfg = TrainConfig(
         seed=args.seed, num_layers=args.num_layers, target_layers=_ints(args.target_layers),
-        init_from_target=not args.no_init_from_target, init_layers=_ints(args.init_layers) or None,
+        init_from_target=not args.no_init_from_target, init_bigram=not args.no_init_bigram, init_layers=_ints(args.init_layers) or None,
         draft_vocab_size=args.draft_vocab, steps=args.steps, lr=args.lr, warmup=args.warmup,
         min_lr_ratio=args.min_lr_ratio, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
         streams=[x for x in args.streams.split(",") if x],

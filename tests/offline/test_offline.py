@@ -113,3 +113,25 @@ def test_eval_identical_to_ar(tiny_target, tok):
     res = evaluate(tiny_target, tok, d, n=2, max_tokens=10, domains=("math", "code"), check_ar=True)
     assert all(r["identical_to_ar"] for r in res["domains"].values())
     assert res["domains"]["math"]["n"] == 2
+
+
+def test_bigram_init_is_what_the_drafter_computes(tiny_target, tok, tmp_path):
+    from learner.offline_init import bigram_counts, fit_bigram
+
+    _prepare(tiny_target, tok, tmp_path)
+    exs = [e for p in D.list_shards(tmp_path) for e in D.load_shard(p, [0, 1])]
+    cfg = O.TrainConfig(num_layers=2, target_layers=[1, 3], draft_vocab_size=0, head_hidden=8)
+    d = O.build_drafter(tiny_target, cfg)
+    pairs = bigram_counts(exs)
+    st = fit_bigram(d, tiny_target, pairs)
+    assert st["fit_acc"] <= st["table_acc"] and st["fit_acc"] > 0.05
+    # the drafter's position-1 greedy tokens are the fit's predictions, whatever the context
+    hits = total = 0
+    with torch.no_grad():
+        for e in exs:
+            anchors = torch.arange(e.resp_start, len(e.tokens) - 1)
+            h = d.forward_train(e.hidden.float(), e.tokens, anchors)
+            pred = d.logits(h[:, 1]).argmax(-1)
+            hits += int((pred == e.labels[anchors]).sum())
+            total += len(anchors)
+    assert abs(hits / total - st["fit_acc"]) < 0.02
