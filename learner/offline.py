@@ -93,6 +93,8 @@ class Pool:
         self.train: dict[str, list[D.Example]] = {}
         self.val: list[D.Example] = []
         self.tokens = 0
+        self.stream_tokens: dict[str, int] = {}  # training tokens per stream (validation excluded)
+        self.prep_seconds = 0.0  # data-preparation wall seconds of the loaded shards
         self.refresh()
 
     def refresh(self) -> int:
@@ -104,6 +106,7 @@ class Pool:
                 continue
             self.loaded.add(str(p))
             exs = D.load_shard(p, self.layer_idx)
+            self.prep_seconds += json.loads(p.with_suffix(".json").read_text()).get("seconds", 0.0)
             nv = self.cfg.max_shard_seqs_val
             self.val.extend(exs[:nv])
             for e in exs[nv:]:
@@ -111,6 +114,7 @@ class Pool:
                     continue
                 self.train.setdefault(e.domain, []).append(e)
                 self.tokens += len(e.tokens)
+                self.stream_tokens[p.parent.name] = self.stream_tokens.get(p.parent.name, 0) + len(e.tokens)
                 new += 1
         return new
 
@@ -383,11 +387,12 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     body = [p for p in drafter.parameters() if id(p) not in hp and p.requires_grad]
     opt = torch.optim.AdamW([{"params": body, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
                              {"params": head_params, "lr": cfg.head_lr, "weight_decay": 0.0}])
-    step, compute_s, seen_tokens = 0, 0.0, 0
+    step, compute_s, seen_tokens, cpu_s = 0, 0.0, 0, 0.0
     rng = random.Random(cfg.seed)
     if state is not None:
         opt.load_state_dict(state["opt"])
         step, compute_s, seen_tokens = state["step"], state["compute_s"], state["seen_tokens"]
+        cpu_s = state.get("cpu_s", 0.0)
         rng.setstate(state["rng"])
     log_f = open(out / "log.jsonl", "a")
 
@@ -398,7 +403,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     def save_ckpt():
         tmp = out / "ckpt.pt.tmp"
         torch.save({"config": asdict(cfg), "drafter": drafter.state_dict(), "vocab_map": drafter.vocab_map,
-                    "opt": opt.state_dict(), "step": step, "compute_s": compute_s, "seen_tokens": seen_tokens,
+                    "opt": opt.state_dict(), "step": step, "compute_s": compute_s, "seen_tokens": seen_tokens, "cpu_s": cpu_s,
                     "rng": rng.getstate(), "pool_tokens": pool.tokens}, tmp)
         os.replace(tmp, ckpt)
 
@@ -430,7 +435,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
             if pool.refresh():
                 log({"type": "data", "step": step, "pool_tokens": pool.tokens,
                      "seqs": {d: len(v) for d, v in pool.train.items()}})
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         for g, base in zip(opt.param_groups, (cfg.lr, cfg.head_lr), strict=True):
             g["lr"] = base * lr_at(step, cfg)
         exs = pool.sample(rng, cfg.seqs_per_step)
@@ -441,6 +446,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
         opt.step()
         step += 1
         compute_s += time.time() - t0
+        cpu_s += time.process_time() - c0
         seen_tokens += sum(min(len(e.tokens), cfg.anchors_per_seq * cfg.block_size) for e in exs)
         lv = float(loss.detach())
         ema = lv if ema is None else 0.98 * ema + 0.02 * lv
@@ -475,11 +481,13 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
                                 "(ShareGPT V3 non-held-out conversations, HumanEval tasks 0-119, synthetic "
                                 "math seeds < 1,000,000): teacher-forced prefill over reference text (tf) and "
                                 "target greedy answers regenerated with the engine (regen)",
-                 "root": str(data_root), "streams": summary, "pool_tokens": pool.tokens},
-        "tokens_seen": seen_tokens, "blocks_seen": step * cfg.seqs_per_step * cfg.anchors_per_seq,
-        "compute": {"train_cpu_seconds": round(compute_s, 1), "threads": cfg.threads, "device": "cpu",
-                    "data_prep_seconds": round(sum(json.loads(p.read_text()).get("seconds", 0)
-                                                   for p in Path(data_root).glob("*/shard-*.json")), 1)},
+                 "root": str(data_root), "trained_tokens_by_stream": pool.stream_tokens,
+                 "trained_tokens": pool.tokens, "validation_sequences": len(pool.val),
+                 "available_at_end": summary},
+        "block_tokens_seen": seen_tokens, "blocks_seen": step * cfg.seqs_per_step * cfg.anchors_per_seq,
+        "compute": {"train_wall_seconds": round(compute_s, 1), "train_cpu_seconds": round(cpu_s, 1),
+                    "threads": cfg.threads, "device": "cpu",
+                    "data_prep_wall_seconds_of_trained_shards": round(pool.prep_seconds, 1)},
         "val": val, "heldout_tau": res,
     }
     bundle = out / "bundle"

@@ -1,6 +1,9 @@
 """``adaflash train-offline``: prepare target-labelled data (optional) and train a drafter.
 
-    adaflash train-offline --out runs/starter --steps 6000 --install dataplane/starter
+    python -m learner.data                      # target-labelled shards (resumable, cached)
+    adaflash train-offline --out runs/starter --install dataplane/starter
+
+The defaults are the committed starter's recipe (see dataplane/starter/README.md).
 
 Rerunning the same command resumes both the data preparation (finished shards are kept
 under <cache>/data/<target>) and the training (``<out>/ckpt.pt``).
@@ -24,30 +27,30 @@ def register(subparsers) -> None:
     p.add_argument("--data-root", default="", help="shards directory (default <cache>/data/<target id>)")
     p.add_argument("--prepare-seconds", type=float, default=0,
                    help="first spend this many seconds extending the data (resumable); 0: use what exists")
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=900)
     p.add_argument("--time-budget", type=float, default=0, help="stop training after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--target-layers", default="1,10,18,27,29")
+    p.add_argument("--target-layers", default="1,18,27,29")
     p.add_argument("--init-layers", default="", help="target layers copied into the drafter (default: last ones)")
     p.add_argument("--no-init-from-target", action="store_true")
     p.add_argument("--no-init-bigram", action="store_true", help="skip the bigram initialisation")
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced output vocabulary; 0 = full")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--seqs-per-step", type=int, default=4)
-    p.add_argument("--anchors", type=int, default=8, help="anchors (blocks) per sequence")
+    p.add_argument("--seqs-per-step", type=int, default=2)
+    p.add_argument("--anchors", type=int, default=16, help="anchors (blocks) per sequence")
     p.add_argument("--decay", type=float, default=7.0)
     p.add_argument("--kinds", default="regen,tf")
     p.add_argument("--domains", default="chat,code,math")
-    p.add_argument("--streams", default="", help="shard streams to train on, e.g. regen-math,tf-chat (default all)")
-    p.add_argument("--domain-weights", default="", help="sampling weights, e.g. math=0.4,code=0.35,chat=0.25")
-    p.add_argument("--val-every", type=int, default=250)
-    p.add_argument("--rescan-every", type=int, default=200, help="steps between looks for new data shards")
+    p.add_argument("--streams", default="regen-math,regen-code,regen-chat,tf-code,tf-chat", help="shard streams to train on, e.g. regen-math,tf-chat (default all)")
+    p.add_argument("--domain-weights", default="math=0.45,code=0.35,chat=0.2", help="sampling weights, e.g. math=0.4,code=0.35,chat=0.25")
+    p.add_argument("--val-every", type=int, default=150)
+    p.add_argument("--rescan-every", type=int, default=100, help="steps between looks for new data shards")
     p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--eval-max-tokens", type=int, default=96)
+    p.add_argument("--eval-prompts", type=int, default=10)
+    p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--install", default="", help="copy the final bundle here (e.g. dataplane/starter)")
     p.set_defaults(func=run)
