@@ -324,13 +324,14 @@ def plot(out: Path) -> None:
     va = [r for r in rows if r["type"] == "val"]
     if ev or va:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for dom in ("chat", "code", "math"):
+        for dom, color in (("chat", "tab:blue"), ("code", "tab:green"), ("math", "tab:purple")):
             pts = [(r["step"], r["tau"][dom]) for r in ev if dom in r.get("tau", {})]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"held-out tau {dom} (engine, k=16)")
+                ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=f"held-out tau {dom} (engine, k=16)")
             pts = [(r["step"], r["val"][dom]["sim_tau"]) for r in va if dom in r["val"]]
             if pts:
-                ax.plot(*zip(*pts, strict=True), ls="--", lw=0.8, label=f"simulated tau {dom} (train-dist val)")
+                ax.plot(*zip(*pts, strict=True), ls="--", lw=0.8, color=color,
+                        label=f"simulated tau {dom} (train-dist val)")
         ax.set_xlabel("step")
         ax.set_ylabel("tau (mean accepted length)")
         ax.legend(fontsize=7)
