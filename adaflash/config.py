@@ -131,6 +131,25 @@ class TelemetryConfig(BaseModel):
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
+class StackConfig(BaseModel):
+    """``adaflash up``: the embedded stack on one machine (see adaflash/stack.py)."""
+
+    # Parts to run, in start order; parts whose command is not installed are skipped
+    # (and reported as missing by ``adaflash status``).
+    parts: list[str] = ["broker", "mlflow", "controlplane", "dataplane", "learner"]
+    # Ports: the configured ones (kafka.bootstrap, controlplane.port, dataplane.port, this
+    # mlflow_port) when free, else a random free port. random_ports: always random.
+    mlflow_port: int = 5000
+    random_ports: bool = False
+    node_id: str = "node-1"  # the embedded node's id (its control-plane key is bound to it)
+    restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive crash
+    restart_backoff_max_s: float = 30.0
+    stable_after_s: float = 60.0  # ready this long: the crash streak (backoff) is forgotten
+    ready_timeout_s: float = 900.0  # a part not ready by then is killed and restarted
+    stop_timeout_s: float = 10.0  # SIGTERM, then SIGKILL after this many seconds
+    probe_interval_s: float = 5.0  # health probes of ready parts
+
+
 class _YamlSource(PydanticBaseSettingsSource):
     def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]):
         super().__init__(settings_cls)
@@ -155,6 +174,7 @@ class Settings(BaseSettings):
     learner: LearnerConfig = LearnerConfig()
     controlplane: ControlplaneConfig = ControlplaneConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    stack: StackConfig = StackConfig()
 
     _yaml_data: ClassVar[dict[str, Any]] = {}
 
