@@ -17,10 +17,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, settings) -> int:
     import uvicorn
 
+    from adaflash.telemetry import CONTROLPLANE, setup_telemetry
     from controlplane.api import create_app
 
     host = args.host or settings.controlplane.host
     port = args.port if args.port is not None else settings.controlplane.port
+    tel = setup_telemetry(CONTROLPLANE, settings)
     app = create_app(settings)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        tel.shutdown()
     return 0
