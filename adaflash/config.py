@@ -142,6 +142,10 @@ class StackConfig(BaseModel):
     mlflow_port: int = 5000
     random_ports: bool = False
     node_id: str = "node-1"  # the embedded node's id (its control-plane key is bound to it)
+    # Gate policy of the embedded control plane when controlplane.policy_file is empty:
+    # "demo" (adaflash/demo_policy.yaml: short windows, approval auto), "default" (the
+    # control plane's packaged policy) or a file path.
+    gate_policy: str = "demo"
     restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive crash
     restart_backoff_max_s: float = 30.0
     stable_after_s: float = 60.0  # ready this long: the crash streak (backoff) is forgotten

@@ -378,11 +378,15 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
                        "--host", host, "--port", str(port), "--workers", "1"],
             {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, lambda: http_ok(f"{mlflow_uri}/health"), port,
             mlflow_uri))
+    policy = gate_policy_file(settings)
     if "controlplane" in run:
         port = ports["controlplane"]
+        env = {"ADAFLASH_CONTROLPLANE__PORT": str(port)}
+        if policy:
+            env["ADAFLASH_CONTROLPLANE__POLICY_FILE"] = policy
         services.append(Service(
             "controlplane", _cli(config, "controlplane", "--host", host, "--port", str(port)),
-            {"ADAFLASH_CONTROLPLANE__PORT": str(port)}, lambda: http_ok(f"{cp_url}/healthz"), port, cp_url))
+            env, lambda: http_ok(f"{cp_url}/healthz"), port, cp_url))
     if "dataplane" in run:
         port = ports["dataplane"]
         env = {"ADAFLASH_DATAPLANE__PORT": str(port), "ADAFLASH_DATAPLANE__NODE_ID": sc.node_id,
@@ -412,11 +416,27 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
         "mlflow_tracking_uri": mlflow_uri or None,
         "database_url": db_url,
         "admin_token_file": str(admin_token),
+        "gate_policy": policy or "default",
         "node_token_file": str(node_token) if cp_url and node_url else None,
         "traces": str(home / "traces-<service>.jsonl") if settings.telemetry.exporter == "file" else
         settings.telemetry.exporter,
     }
     return services, missing, endpoints
+
+
+DEMO_POLICY = Path(__file__).resolve().parent / "demo_policy.yaml"
+
+
+def gate_policy_file(settings: Settings) -> str:
+    """The policy file the embedded control plane gets ("" = its packaged default)."""
+    if settings.controlplane.policy_file:
+        return settings.controlplane.policy_file
+    choice = settings.stack.gate_policy
+    if choice == "demo":
+        return str(DEMO_POLICY)
+    if choice in ("default", ""):
+        return ""
+    return str(Path(choice).resolve())
 
 
 def ensure_node_key(cp_url: str, admin_token_path: Path, node_token_path: Path, node_id: str) -> None:

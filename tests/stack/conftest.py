@@ -54,7 +54,7 @@ def tiny_env(home: Path, target: Path, bundle: Path | None, **extra: str) -> dic
         "ADAFLASH_MODEL__MAX_MODEL_LEN": "512",
         "ADAFLASH_MODEL__TORCH_THREADS": "1",
         "ADAFLASH_DATAPLANE__BLOCK_SIZE": str(BLOCK),
-        "ADAFLASH_DATAPLANE__MAX_PROMPT_TOKENS": "200",
+        "ADAFLASH_DATAPLANE__MAX_PROMPT_TOKENS": "440",
         "ADAFLASH_DATAPLANE__MAX_NEW_TOKENS_LIMIT": "64",
         "ADAFLASH_DATAPLANE__RECONCILE_INTERVAL_S": "1",
         "ADAFLASH_STACK__RESTART_BACKOFF_S": "0.5",

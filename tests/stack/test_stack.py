@@ -134,6 +134,25 @@ def test_killed_children_are_restarted(stack):
     assert r.status_code == 200
 
 
+def test_demo_drives_traffic_and_reports(stack):
+    """No learner runs here, so no candidate can appear: the demo measures, waits, says so."""
+    env, home, _ = stack
+    r = adaflash(env, "demo", "--timeout", "3", "--requests", "1", "--max-tokens", "6", "--concurrency", "2",
+                 check=False, timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no promotion happened" in r.stdout and "learner is missing" in r.stdout
+    summary = json.loads((home / "demo" / "demo.json").read_text())
+    assert summary["baseline_version"] == "v0" and summary["promoted_version"] is None
+    by = {row["domain"]: row for row in summary["rows"]}
+    assert set(by) == {"chat", "code", "math", "all"} and by["all"]["n"] >= 3 and by["all"]["tau_before"] >= 1.0
+    assert (home / "demo" / "demo.png").stat().st_size > 1000
+    token = (home / "admin-token").read_text().strip()
+    ep = status(env)["endpoints"]
+    pol = httpx.get(f"{ep['controlplane_api']}/tenants/demo-eval/policy", timeout=5,
+                    headers={"Authorization": f"Bearer {token}"}).json()
+    assert pol["opt_out"] is True  # what the demo measures is never learned from
+
+
 def test_down_leaves_no_process(stack):
     env, home, _ = stack
     st = status(env)
