@@ -213,7 +213,7 @@ def ensure_topics(bootstrap: str, settings: Settings | KafkaConfig, retention_ms
     if kc.segment_ms:
         configs["segment.ms"] = str(int(min(kc.segment_ms, retention_ms)))
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms,
-                             client_id="adaflash-topics")
+                             bootstrap_timeout_ms=timeout_ms, client_id="adaflash-topics")
     out: dict[str, str] = {}
     try:
         existing = set(admin.list_topics())

@@ -263,6 +263,8 @@ class FeedbackProducer:
             if stopping and self._q.empty() and (self._kp is None or len(self.spool) == 0):
                 return
             if self._kp is None:
+                # while disconnected, new records wait in the spool (durable, in order)
+                self._spill_queue()
                 if stopping or not self._connect():
                     if stopping:
                         return
