@@ -162,6 +162,10 @@ class Spool:
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return n
 
+    def db_mode(self) -> str:
+        with self._lock:
+            return self._db.execute("PRAGMA journal_mode").fetchone()[0]
+
     def tenants(self) -> dict[str, int]:
         with self._lock:
             return dict(self._db.execute("SELECT tenant_id, COUNT(*) FROM spool GROUP BY tenant_id").fetchall())
