@@ -71,7 +71,20 @@ class KafkaConfig(BaseModel):
     feedback_topic: str = "adaflash.feedback.v1"
     dlq_topic: str = "adaflash.feedback.dlq.v1"
     partitions: int = 4
+    replication_factor: int = 1
     consumer_group: str = "adaflash-learner"
+    # Topic segment roll time: Kafka deletes whole segments, so a record is gone at most
+    # retention.ms + segment.ms after it was written. 0: leave the broker default.
+    segment_ms: int = 3_600_000
+    # Idempotent producer. Off by default: kafka-python's idempotent producer stays broken
+    # after a Tansu restart; acks=all + one request in flight + record_id de-duplication
+    # downstream give the same outcome. Turn on for Apache Kafka if wanted.
+    idempotence: bool = False
+    request_timeout_ms: int = 5000
+    delivery_timeout_ms: int = 15000
+    max_block_ms: int = 5000
+    # Recreate the topics after a reconnect (embedded Tansu forgets them on restart).
+    ensure_topics: bool = True
 
 
 class GovernanceConfig(BaseModel):
@@ -80,6 +93,15 @@ class GovernanceConfig(BaseModel):
     workers: int = 1
     scrub_timeout_s: float = 5.0
     spool_max_records: int = 100_000
+    # When the spool is full: "drop_oldest" (newest feedback is worth most; counted as
+    # reason spool_overflow) or "refuse" (the new record is dropped and counted).
+    spool_overflow: Literal["drop_oldest", "refuse"] = "drop_oldest"
+    spool_path: str = ""  # empty: $ADAFLASH_HOME/governance/spool.db
+    usage_db_path: str = ""  # empty: $ADAFLASH_HOME/governance/usage.db
+    policy_ttl_s: float = 30.0
+    policy_timeout_s: float = 1.0
+    # PII score threshold (Presidio); lower catches more.
+    pii_score_threshold: float = 0.3
     default_sampling_rate: float = 1.0
     default_ttl_days: float = 30.0
     default_share_cap: float = 0.5
