@@ -1,0 +1,57 @@
+"""A tiny random-weight Llama target with a byte-level tokenizer and chat template, on disk.
+
+It has the same layout as the converted real target (config.json, model.safetensors,
+tokenizer files, target.json) so every learner path runs unchanged, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dataplane.model import ModelArgs, TargetModel
+
+TARGET_ID = "tiny-llama"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _save_tokenizer(d: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                 pad_token="<|im_end|>", unk_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                 chat_template=CHAT_TEMPLATE)
+    hf.save_pretrained(str(d))
+    return len(vocab)
+
+
+def make_tiny_target(d: Path, seed: int = 0, num_layers: int = 6, hidden: int = 64) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    vocab = _save_tokenizer(d)
+    cfg = {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+           "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": hidden // 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+           "eos_token_id": 2, "bos_token_id": 1, "max_position_embeddings": 4096}
+    torch.manual_seed(seed)
+    model = TargetModel(ModelArgs.from_hf(cfg))
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.2)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v for k, v in state.items() if not k.startswith("rotary")}
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "target.json").write_text(json.dumps({"id": TARGET_ID, "sha256": "0" * 64}))
+    return d
