@@ -55,3 +55,15 @@ def make_tiny_target(d: Path, seed: int = 0, num_layers: int = 6, hidden: int = 
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "target.json").write_text(json.dumps({"id": TARGET_ID, "sha256": "0" * 64}))
     return d
+
+
+def make_record(tenant: str = "acme", prompt: str = "What is two plus two?", response: str = "Four, of course.",
+                target_id: str = TARGET_ID, sha256: str = "0" * 64, **kw):
+    from adaflash.contracts.feedback import FeedbackRecord
+
+    base = dict(tenant_id=tenant, node_id="node-1", request_id="req", target_model={"id": target_id, "sha256": sha256},
+                drafter_version="1", mode="adaptive", sampling={"temperature": 0.0, "top_p": 1.0},
+                prompt_text=prompt, response_text=response,
+                stats={"tau_mean": 1.5, "verify_tokens": 10, "draft_ms": 1.0, "verify_ms": 2.0})
+    base.update(kw)
+    return FeedbackRecord.model_validate(base)
