@@ -12,9 +12,9 @@ points at that file, adds the step's record ids to ``seen`` and ``trained`` and 
 the per-partition offsets. The transaction is the commit point: a learner killed
 before it comes back at the previous step with the previous weights, offsets and
 de-duplication set (the orphan file is removed), and one killed after it finds all
-four moved together. Kafka offsets are committed only after this, and on restart the
-consumer seeks to the offsets stored here, so the broker's committed offsets are a
-lower bound and ``seen`` the last line of defence against double training.
+four moved together. Kafka offsets are committed only after this, so the group's
+committed offsets are a lower bound of the stored ones; whatever the broker delivers
+again below them is recognised through ``seen``.
 """
 
 from __future__ import annotations

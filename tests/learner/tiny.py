@@ -67,3 +67,62 @@ def make_record(tenant: str = "acme", prompt: str = "What is two plus two?", res
                 stats={"tau_mean": 1.5, "verify_tokens": 10, "draft_ms": 1.0, "verify_ms": 2.0})
     base.update(kw)
     return FeedbackRecord.model_validate(base)
+
+
+def produce(bootstrap: str, topic: str, values: list[tuple[str, bytes]]) -> None:
+    """Send (key, value) pairs with the contract's headers and wait for every ack."""
+    from kafka import KafkaProducer
+
+    from adaflash.contracts import FEEDBACK_SCHEMA_VERSION, HEADER_SCHEMA_VERSION, HEADER_TRACEPARENT
+
+    prod = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        futures = [prod.send(topic, key=k.encode(), value=v,
+                             headers=[(HEADER_SCHEMA_VERSION, str(FEEDBACK_SCHEMA_VERSION).encode()),
+                                      (HEADER_TRACEPARENT, b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")])
+                   for k, v in values]
+        prod.flush()
+        for f in futures:
+            f.get(timeout=30)
+    finally:
+        prod.close()
+
+
+def read_all(bootstrap: str, topic: str, expect: int, timeout_s: float = 20.0) -> list:
+    """Every message of a topic (no group), waiting until ``expect`` arrived or the timeout."""
+    import time
+
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    try:
+        parts = c.partitions_for_topic(topic) or set()
+        c.assign([TopicPartition(topic, p) for p in parts])
+        c.seek_to_beginning()
+        out, deadline = [], time.monotonic() + timeout_s
+        while len(out) < expect and time.monotonic() < deadline:
+            for msgs in c.poll(timeout_ms=500).values():
+                out += msgs
+        return out
+    finally:
+        c.close()
+
+
+def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offsets (partitions without one left out), read without joining."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        out = {p: c.committed(TopicPartition(topic, p)) for p in c.partitions_for_topic(topic) or set()}
+        return {p: o for p, o in out.items() if o is not None}
+    finally:
+        c.close(autocommit=False)
+
+
+def log_ends(bootstrap: str, topic: str, expect: int) -> dict[int, int]:
+    """Per partition, one past the last offset, from reading the topic (Tansu's ListOffsets is not used)."""
+    ends: dict[int, int] = {}
+    for m in read_all(bootstrap, topic, expect):
+        ends[m.partition] = max(ends.get(m.partition, 0), m.offset + 1)
+    return ends
