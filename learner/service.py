@@ -285,6 +285,8 @@ class Learner:
         return steps
 
     def close(self) -> None:
+        if self.counters:
+            log.info("outcomes: %s; buffer drops: %s", dict(self.counters), dict(self.buffer.dropped))
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
+import torch
 
 from adaflash.config import KafkaConfig, LearnerConfig, ModelConfig, Settings, load_config
+from dataplane.drafter_io import load_bundle
 from learner.checkpoint import CheckpointStore
 from learner.consumer import ensure_topics
 from learner.publish import Publisher
@@ -34,6 +39,8 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
     bad = [("acme", b"not json"), ("acme", json.dumps({"schema_version": 1, "tenant_id": "acme"}).encode()),
            ("beta", make_record(tenant="beta", target_id="someone-else").to_bytes()),
            ("beta", make_record(tenant="beta", response="y" * 400).to_bytes())]
+    old = make_record(tenant="acme", created_at=datetime.now(UTC) - timedelta(days=45))  # past the 30-day TTL
+    bad.append(("acme", old.to_bytes()))
     ensure_topics(s.kafka)
     produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good] + bad)
 
@@ -45,6 +52,7 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
     store = CheckpointStore(state_dir(s))
     ledger = [rid for rid, _ in store.ledger()]
     assert sorted(ledger) == sorted(r.record_id for r in good)
+    assert store.seen(old.record_id) and old.record_id not in ledger  # expired: never trained, not re-read
     # offsets committed to the group only after the checkpoint, and up to the end of the log
     assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
         log_ends(broker.bootstrap, s.kafka.feedback_topic, len(good) + len(bad)) == store.offsets(s.kafka.feedback_topic)
@@ -71,6 +79,15 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
               for r in json.loads(v.tags["adaflash.lineage"])["offsets"]]
     assert sorted(ranges)[0][1] == 0 and max(e for _, _, e in ranges) == 5  # the six good records, offsets 0..5
     assert sorted(json.loads(versions[0].tags["adaflash.lineage"])["tenants"]) == ["acme", "beta"]
+    from mlflow.artifacts import download_artifacts
+
+    local = Path(download_artifacts(artifact_uri=last.source, dst_path=str(tmp_path / "dl"), tracking_uri=mlflow_uri))
+    assert sorted(p.name for p in local.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
+    assert hashlib.sha256((local / "manifest.json").read_bytes()).hexdigest() == last.tags["adaflash.manifest_sha256"]
+    drafter, manifest = load_bundle(local, learner.target, learner.identity)
+    assert manifest.lineage.model_dump(mode="json") == lineage and manifest.target.id == TARGET_ID
+    for name, t in drafter.state_dict().items():
+        assert torch.equal(t, learner.drafter.state_dict()[name].detach()), name  # the last step's weights
     run = client.get_run(last.run_id)
     assert run.data.params["alpha"] == "0.8" and "head_mae" in run.data.metrics and "clip_ratio" in run.data.metrics
 

@@ -10,7 +10,7 @@ from dataplane.target_cache import target_identity
 from dataplane.tokenizer import Tokenizer
 from learner.checkpoint import CheckpointStore, Done
 from learner.supervision import TOO_LONG, TOO_SHORT, UNKNOWN_TARGET, Supervised, Supervisor, Unusable
-from learner.trainer import Trainer, greedy_accepted
+from learner.trainer import Trainer, greedy_accepted, round_anchors
 from tests.learner.conftest import make_drafter
 from tests.learner.tiny import make_record
 
@@ -102,3 +102,19 @@ def test_an_uncommitted_weights_file_is_discarded_on_reopen(target, tmp_path):
     store.close()
     store = CheckpointStore(tmp_path / "s")
     assert store.step == 1 and [p.name for p in store.dir.glob("weights-*.pt")] == ["weights-00000001.pt"]
+
+
+def test_head_labels_from_the_records_verify_rounds(supervisor, target):
+    rounds = [{"k_hat": 4, "accepted": 2, "a_hat": 0.3}, {"k_hat": 1, "accepted": 0, "a_hat": 0.0},
+              {"k_hat": 8, "accepted": 7, "a_hat": 0.9}, {"k_hat": 8, "accepted": 0, "a_hat": 0.9}]
+    rec = make_record(response="a fairly long response that has room for every round", rounds=rounds)
+    sup = supervisor.supervise([supervisor.tokenize(rec)])[0]
+    anchors, labels = round_anchors(sup)
+    P = sup.prompt_len
+    assert anchors.tolist() == [P, P + 4, P + 12]  # each round moves the anchor by accepted + 1
+    assert labels.tolist() == pytest.approx([2 / 3, 1.0, 0.0])
+    # the trainer fits the head to these labels: its error on them shrinks
+    cfg = LearnerConfig(anchors_per_record=2, lr_head=1e-2, epochs=1, grad_accum=1)
+    trainer = Trainer(make_drafter(target, seed=4), supervisor, cfg)
+    maes = [trainer.train_buffer([sup], step=s)["head_mae"] for s in range(1, 30)]
+    assert maes[-1] < maes[0]
