@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, Field
@@ -57,7 +57,10 @@ class DataplaneConfig(BaseModel):
     # Admin endpoints: bearer token read from this env var or file (never from the repo).
     admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     admin_token_file: str = ""
-    controlplane_url: str = ""
+    controlplane_url: str = ""  # empty: no reconciliation (standalone node)
+    controlplane_token_env: str = "ADAFLASH_NODE_TOKEN"
+    controlplane_token_file: str = ""
+    public_url: str = ""  # how the control plane reaches this node; empty: http://host:port
     reconcile_interval_s: float = 5.0
     # Break-even rule: verify a single token (plain decoding) when expected gain < 1.
     breakeven: bool = True
@@ -120,15 +123,31 @@ class ControlplaneConfig(BaseModel):
     database_url: str = ""  # empty: sqlite under $ADAFLASH_HOME
     mlflow_tracking_uri: str = ""  # empty: sqlite + local artifacts under $ADAFLASH_HOME
     policy_file: str = ""  # empty: the packaged default gate policy
-    jwt_issuer: str = ""
+    jwt_issuer: str = ""  # empty: API keys only; set: HS256 bearer JWTs from this issuer too
     jwt_audience: str = "adaflash"
     jwt_secret_env: str = "ADAFLASH_JWT_SECRET"
+    jwt_leeway_s: float = 30.0
+    admin_token_file: str = ""  # empty: $ADAFLASH_HOME/admin-token (written once, mode 0600)
+    evaluations_dir: str = ""  # empty: $ADAFLASH_HOME/evaluations (reports and plots)
+    heartbeat_timeout_s: float = 30.0  # a node silent this long is reported stale
+    page_limit_max: int = 500  # largest page any list endpoint returns
 
 
 class TelemetryConfig(BaseModel):
+    """OpenTelemetry traces and metrics (see adaflash/telemetry.py)."""
+
     exporter: Literal["none", "console", "file", "otlp", "memory"] = "file"
+    # OTLP over HTTP: a collector base URL such as http://otel-collector:4318 (the
+    # /v1/traces and /v1/metrics paths are appended) or full signal URLs. Empty: the
+    # standard OTEL_EXPORTER_OTLP_* environment variables, else http://localhost:4318.
     otlp_endpoint: str = ""
-    file_path: str = ""  # empty: $ADAFLASH_HOME/traces.jsonl
+    # JSON lines of finished spans. Empty: $ADAFLASH_HOME/traces-<service>.jsonl; a
+    # "{service}" in the path is replaced by the service name.
+    file_path: str = ""
+    # Metrics of the file exporter go beside the traces: metrics-<service>.jsonl.
+    metrics_interval_s: float = 60.0
+    # Head sampling of new traces (parent-based: a sampled parent is always followed).
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
 class _YamlSource(PydanticBaseSettingsSource):
@@ -156,7 +175,7 @@ class Settings(BaseSettings):
     controlplane: ControlplaneConfig = ControlplaneConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 
-    _yaml_data: dict[str, Any] = {}
+    _yaml_data: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -57,6 +57,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self.steps = 0
+        self.finished_count = 0
+        self.error_count = 0
         self.last_error: str | None = None
 
     # --- called from any thread ----------------------------------------------------------------
@@ -289,6 +291,8 @@ class Engine:
         s.finish_reason = s.finish_reason if (reason == "cancelled" and s.finish_reason) else reason
         s.error = error
         s.finished_at = time.monotonic()
+        self.finished_count += 1
+        self.error_count += reason == "error"
         self.metrics.requests.labels(tenant=s.tenant_id, finish_reason=s.finish_reason).inc()
         if reason in ("error", "cancelled") and s.on_update is not None and s.status == Status.FINISHED:
             try:

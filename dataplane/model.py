@@ -206,13 +206,15 @@ class TargetModel(nn.Module):
         pos = torch.cat(positions).to(input_ids.device)
         cos, sin = self.rotary.cos_sin(pos)
         x = self.model.embed_tokens(input_ids)
-        want = {layer: i for i, layer in enumerate(hidden_layers)}
+        want: dict[int, list[int]] = {}
+        for slot, layer in enumerate(hidden_layers):
+            want.setdefault(layer, []).append(slot)
         hidden = (torch.empty(x.shape[0], len(hidden_layers), x.shape[1], dtype=x.dtype, device=x.device)
                   if hidden_layers else None)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, kvs, bounds)
-            if i in want:
-                hidden[:, want[i]] = x
+            for slot in want.get(i, ()):
+                hidden[:, slot] = x
         for (s, e, start), kv in zip(bounds, kvs, strict=True):
             kv.length = start + (e - s)
         logits = None
@@ -226,5 +228,7 @@ def default_hidden_layers(num_layers: int, n: int) -> tuple[int, ...]:
     """n target layers evenly spaced from 1 to L-3 (PAPER.md), e.g. L=30, n=4 -> (1, 10, 18, 27)."""
     if n == 1:
         return (num_layers // 2,)
-    lo, hi = 1, max(1, num_layers - 3)
-    return tuple(int(round(lo + (hi - lo) * i / (n - 1))) for i in range(n))
+    lo, hi = 1, num_layers - 3
+    if hi - lo + 1 < n:  # small models: spread over every layer instead
+        lo, hi = 0, num_layers - 1
+    return tuple(sorted({int(round(lo + (hi - lo) * i / (n - 1))) for i in range(n)}))

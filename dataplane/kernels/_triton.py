@@ -32,6 +32,10 @@ except Exception:  # noqa: BLE001 - any import failure means "no Triton here"
                 return _UnavailableKernel
             return _UnavailableKernel(fn)
 
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 << max(n - 1, 0).bit_length()
+
     class _LanguageStandIn:
         constexpr = Any  # only used in kernel signatures
 

@@ -4,7 +4,8 @@ For request b with segment [s, e): draft token x_{s+1+i} is kept while it equals
 argmax(logits[s+i]); ``accepted[b]`` counts the kept prefix and ``bonus[b]`` is the
 target's argmax at the first mismatch (or after the last draft when all are kept),
 i.e. argmax(logits[s + accepted[b]]). Argmax ties go to the lowest index, as in
-``torch.argmax``.
+``torch.argmax``. NaN logits are not supported (torch.argmax treats NaN as the
+maximum; the Triton kernel never selects it).
 """
 
 from __future__ import annotations

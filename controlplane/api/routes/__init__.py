@@ -1,0 +1,1 @@
+"""Admin API routes, one module per resource."""

@@ -1,0 +1,1 @@
+"""Packaged gate policies (default.yaml)."""

@@ -1,0 +1,202 @@
+"""A serving node: target, tokenizer, drafter, engine, feedback and hot-reload in one object.
+
+The HTTP server (``dataplane.server``) is a thin layer over this. Drafter loads happen
+off the engine thread (download, checks, build); only the final pointer swap happens
+between two engine steps, so serving pauses for microseconds, not for the load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from adaflash.config import Settings
+from adaflash.contracts.feedback import FeedbackRecord, Round, Sampling, Stats, TargetRef
+from adaflash.contracts.manifest import Manifest, sha256_file
+from dataplane.drafter import Drafter, new_drafter
+from dataplane.drafter_io import MANIFEST, DrafterLoadError, load_bundle, save_bundle
+from dataplane.engine import Engine
+from dataplane.model import TargetModel
+from dataplane.sequence import Sequence
+from dataplane.target_cache import ensure_target, target_identity
+from dataplane.tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("adaflash.node")
+
+STARTER_DIR = Path(__file__).parent / "starter"
+RANDOM_VERSION = "random-0"
+
+
+def resolve_admin_token(settings: Settings) -> str:
+    """Bearer token of the admin endpoints: env var, then file, else generated under $ADAFLASH_HOME."""
+    cfg = settings.dataplane
+    token = os.environ.get(cfg.admin_token_env, "").strip()
+    if token:
+        return token
+    path = Path(cfg.admin_token_file) if cfg.admin_token_file else settings.home / "dataplane-admin-token"
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+class Node:
+    def __init__(self, settings: Settings, target: TargetModel | None = None, tokenizer: Tokenizer | None = None,
+                 target_dir: Path | None = None):
+        self.settings = settings
+        cfg = settings.dataplane
+        if settings.model.torch_threads:
+            torch.set_num_threads(settings.model.torch_threads)
+        self.target_dir = target_dir or ensure_target(settings)
+        self.identity = target_identity(self.target_dir)
+        self.target = target or TargetModel.from_pretrained(self.target_dir)
+        self.tokenizer = tokenizer or Tokenizer(self.target_dir)
+        self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
+        self.manifest: Manifest | None = None
+        self.manifest_sha256: str | None = None
+        self.drafter_source: str | None = None
+        drafter, version = self._initial_drafter()
+        self.engine = Engine(self.target, cfg, drafter=drafter, drafter_version=version,
+                             eos_token_ids=[self.tokenizer.eos_token_id], max_model_len=settings.model.max_model_len)
+        self.engine.on_finish = self._on_finish
+        self.emitter = None  # set by the server when feedback is enabled
+        self.load_lock = threading.Lock()
+        self.last_load_error: str | None = None
+        self.loaded_at = time.time()
+        self.started_at = time.time()
+
+    # --- drafter ---------------------------------------------------------------------------------
+    def _initial_drafter(self) -> tuple[Drafter | None, str | None]:
+        src = self.settings.dataplane.drafter
+        if self.settings.dataplane.mode == "ar" and not src:
+            return None, None
+        path = Path(src) if src else STARTER_DIR
+        if (path / MANIFEST).is_file():
+            drafter, manifest = load_bundle(path, self.target, self.identity)
+            self._set_manifest(manifest, path)
+            return drafter, manifest.version
+        if src:
+            raise DrafterLoadError(f"drafter directory {path} holds no {MANIFEST}")
+        log.warning("no starter drafter at %s: serving with a random drafter", path)
+        drafter = new_drafter(self.target, seed=0, block_size=self.settings.dataplane.block_size)
+        return drafter, RANDOM_VERSION
+
+    def _set_manifest(self, manifest: Manifest, path: Path) -> None:
+        self.manifest = manifest
+        self.manifest_sha256 = sha256_file(path / MANIFEST)
+        self.drafter_source = str(path)
+
+    def drafter_info(self) -> dict:
+        m = self.manifest
+        return {
+            "version": self.engine.drafter_version,
+            "mode": self.engine.mode,
+            "source": self.drafter_source,
+            "manifest_sha256": self.manifest_sha256,
+            "block_size": m.block_size if m else self.settings.dataplane.block_size,
+            "target": self.identity,
+            "lineage": m.lineage.model_dump(mode="json") if m else None,
+            "loaded_at": self.loaded_at,
+            "last_load_error": self.last_load_error,
+        }
+
+    def load_drafter(self, version: str, uri: str, sha256: str | None = None, timeout: float = 60.0) -> dict:
+        """Fetch, check and hot-swap a drafter. Raises DrafterLoadError; the old one keeps serving."""
+        with self.load_lock:
+            try:
+                local = self._fetch(uri, version)
+                drafter, manifest = load_bundle(local, self.target, self.identity, expected_sha256=sha256)
+                if manifest.block_size != self.settings.dataplane.block_size:
+                    raise DrafterLoadError(f"block size {manifest.block_size} differs from the node's "
+                                           f"{self.settings.dataplane.block_size}")
+            except DrafterLoadError as e:
+                self.last_load_error = str(e)
+                self.engine.metrics.swaps.labels(result="refused").inc()
+                raise
+            pause = self.engine.swap_drafter(drafter, version).result(timeout=timeout)
+            self._set_manifest(manifest, local)
+            self.loaded_at = time.time()
+            self.last_load_error = None
+            self.engine.metrics.swaps.labels(result="ok").inc()
+            return {"version": version, "pause_ms": pause * 1000.0, "manifest_sha256": self.manifest_sha256}
+
+    def _fetch(self, uri: str, version: str) -> Path:
+        """A local directory for ``uri``: a path, file://, or an MLflow artifact URI."""
+        if uri.startswith("file://"):
+            return Path(uri[len("file://"):])
+        if "://" not in uri and ":/" not in uri:
+            return Path(uri)
+        dest = self.settings.home / "drafters" / f"{version}-{secrets.token_hex(4)}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            import mlflow
+
+            tracking = self.settings.controlplane.mlflow_tracking_uri
+            if tracking:
+                mlflow.set_tracking_uri(tracking)
+            got = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest))
+        except Exception as e:  # any fetch failure is a refused load, never a crash
+            shutil.rmtree(dest, ignore_errors=True)
+            raise DrafterLoadError(f"cannot fetch {uri}: {type(e).__name__}: {e}") from e
+        return Path(got)
+
+    def save_current_drafter(self, directory: Path) -> None:
+        """Write the serving drafter as a bundle (used to seed registries with the starter)."""
+        if self.engine.drafter is None:
+            raise DrafterLoadError("this node serves no drafter")
+        save_bundle(self.engine.drafter, directory, self.identity, version=self.engine.drafter_version or "0")
+
+    # --- requests ----------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def new_detokenizer(self, stop: list[str]) -> Detokenizer:
+        return Detokenizer(self.tokenizer, stop)
+
+    def _on_finish(self, seq: Sequence) -> None:
+        if self.emitter is None or seq.finish_reason == "cancelled" and not seq.output_ids:
+            return
+        record = self.feedback_record(seq)
+        self.emitter.submit(record)
+
+    def feedback_record(self, seq: Sequence) -> FeedbackRecord:
+        """The raw (unscrubbed) record of a finished request; the emitter scrubs it."""
+        detok = Detokenizer(self.tokenizer, seq.params.stop)
+        detok.update(seq.output_ids, final=True)
+        rounds = [Round(k_hat=r.k_hat, accepted=r.accepted, a_hat=min(1.0, max(0.0, r.a_hat))) for r in seq.rounds]
+        st = seq.stats()
+        return FeedbackRecord(
+            tenant_id=seq.tenant_id,
+            node_id=self.node_id,
+            request_id=seq.request_id,
+            target_model=TargetRef(**self.identity),
+            drafter_version=seq.drafter_version or "none",
+            mode=self.engine.mode,
+            sampling=Sampling(temperature=seq.params.temperature, top_p=seq.params.top_p),
+            domain=seq.domain,
+            prompt_text=seq.prompt_text,
+            response_text=detok.text,
+            rounds=rounds,
+            stats=Stats(tau_mean=st["mean_accept_len"], verify_tokens=st["verified_tokens"],
+                        draft_ms=seq.draft_s * 1000.0, verify_ms=seq.verify_s * 1000.0),
+        )
+
+    def live_status(self) -> dict:
+        live = self.engine.metrics.live()
+        done = max(1, self.engine.finished_count)
+        return {"node_id": self.node_id, "version": self.engine.drafter_version, "mode": self.engine.mode,
+                "tau": live["tau"], "tps": live["tps"], "error_rate": min(1.0, self.engine.error_count / done),
+                **self.engine.load}

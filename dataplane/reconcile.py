@@ -1,0 +1,88 @@
+"""Level-triggered reconciliation with the control plane.
+
+Every interval the node heartbeats its served version and live tau / TPS / error rate;
+the answer carries the version the control plane wants it to serve. If they differ the
+node loads the desired one (same checks as POST /admin/drafter). A restarted node or
+control plane converges without replaying events: only the current desired state matters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import httpx
+
+from dataplane.drafter_io import DrafterLoadError
+from dataplane.node import Node
+
+log = logging.getLogger("adaflash.reconcile")
+
+
+class Reconciler:
+    def __init__(self, node: Node, base_url: str, token: str, public_url: str, interval_s: float = 5.0):
+        self.node = node
+        self.base = base_url.rstrip("/")
+        self.public_url = public_url
+        self.interval = interval_s
+        self.client = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {token}"})
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed_versions: dict[str, str] = {}  # version -> reason, so a bad one is not retried forever
+        self.last_error: str | None = None
+
+    @classmethod
+    def from_settings(cls, node: Node, public_url: str) -> Reconciler | None:
+        cfg = node.settings.dataplane
+        if not cfg.controlplane_url:
+            return None
+        token = os.environ.get(cfg.controlplane_token_env, "").strip()
+        if not token and cfg.controlplane_token_file and os.path.isfile(cfg.controlplane_token_file):
+            token = open(cfg.controlplane_token_file).read().strip()
+        return cls(node, cfg.controlplane_url, token, public_url, cfg.reconcile_interval_s)
+
+    def tick(self) -> dict | None:
+        """One heartbeat + convergence step; returns the desired state seen (or None)."""
+        st = self.node.live_status()
+        status = "degraded" if self.node.last_load_error else "ready"
+        body = {"served_version": st["version"], "url": self.public_url, "live_tau": st["tau"],
+                "live_tps": st["tps"], "error_rate": st["error_rate"], "status": status,
+                "message": (self.node.last_load_error or "")[:2000] or None}
+        try:
+            r = self.client.post(f"{self.base}/api/v1/nodes/{self.node.node_id}/heartbeat", json=body)
+            r.raise_for_status()
+            desired = r.json().get("desired")
+        except (httpx.HTTPError, ValueError) as e:
+            self.last_error = f"control plane unreachable: {e}"
+            return None
+        self.last_error = None
+        if desired and desired.get("version") and desired["version"] != self.node.engine.drafter_version:
+            v = desired["version"]
+            if v in self.failed_versions and self.failed_versions[v] == desired.get("sha256"):
+                return desired
+            try:
+                self.node.load_drafter(v, desired["uri"], desired.get("sha256"))
+                log.info("now serving drafter %s", v)
+            except DrafterLoadError as e:
+                self.failed_versions[v] = desired.get("sha256")
+                log.warning("desired drafter %s refused: %s", v, e)
+        return desired
+
+    def start(self) -> None:
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.tick()
+                except Exception:  # never let reconciliation take serving down
+                    log.exception("reconcile tick failed")
+                self._stop.wait(self.interval)
+
+        self._thread = threading.Thread(target=loop, name="adaflash-reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        self.client.close()

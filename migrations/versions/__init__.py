@@ -1,0 +1,1 @@
+"""Alembic revisions (a package so that wheels carry them)."""

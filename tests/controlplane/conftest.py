@@ -1,0 +1,78 @@
+"""Fixtures: a real database (SQLite file, or a throwaway PostgreSQL database), the app."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from adaflash.config import load_config  # noqa: E402
+from controlplane.api import create_app  # noqa: E402
+
+PG_ADMIN_DSN = os.environ.get("ADAFLASH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture
+def settings(request, tmp_path):
+    """SQLite under a fresh home; parametrize indirectly with "postgresql" for a throwaway database."""
+    if getattr(request, "param", "sqlite") == "postgresql":
+        url = request.getfixturevalue("pg_url")
+        return load_config(home=tmp_path / "home", controlplane={"database_url": url})
+    return load_config(home=tmp_path / "home")
+
+
+@pytest.fixture
+def app(settings):
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app):
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def admin(settings):
+    """Headers carrying the admin key the app wrote on first start."""
+    token = (settings.home / "admin-token").read_text().strip()
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def make_key(client, admin):
+    def make(role: str, tenants: list[str] | None = None, node_id: str | None = None) -> dict[str, str]:
+        r = client.post("/api/v1/keys", headers=admin,
+                        json={"name": f"test-{role}", "role": role, "tenants": tenants or [], "node_id": node_id})
+        assert r.status_code == 201, r.text
+        return {"Authorization": f"Bearer {r.json()['key']}"}
+
+    return make
+
+
+@pytest.fixture
+def sessions(app):
+    return app.state.sessions
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL database with a random name, dropped afterwards."""
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        admin_conn = psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as e:
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_DSN}: {e}")
+    name = f"adaflash_test_{uuid.uuid4().hex[:12]}"
+    admin_conn.execute(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_DSN.rsplit("/", 1)[0]
+    try:
+        yield f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}"
+    finally:
+        admin_conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin_conn.close()

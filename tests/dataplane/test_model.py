@@ -1,0 +1,79 @@
+"""Our model runner against transformers, and the packed variable-length forward."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dataplane.model import TargetModel, default_hidden_layers
+
+
+def _hf(directory):
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_qwen_dir"])
+def test_logits_and_hidden_match_transformers(fixture, request):
+    d = request.getfixturevalue(fixture)
+    ours, ref = TargetModel.from_pretrained(d), _hf(d)
+    ids = torch.randint(3, 97, (23,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf_out = ref(ids[None], output_hidden_states=True)
+    out = ours.forward_packed(ids, [0, 23], [ours.new_cache()], hidden_layers=(0, 2))
+    assert (out.logits - hf_out.logits[0]).abs().max() < 1e-4
+    # hidden_states[0] is the embedding output, so decoder layer L is index L + 1.
+    assert (out.hidden[:, 0] - hf_out.hidden_states[1][0]).abs().max() < 1e-4
+    assert (out.hidden[:, 1] - hf_out.hidden_states[3][0]).abs().max() < 1e-4
+
+
+def test_packed_stream_with_cached_prefixes_matches_separate_runs(tiny_target):
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (5, 17, 1, 30)]
+    split = [2, 10, 0, 29]  # prefix already cached, the rest arrives packed
+    full = []
+    for s in seqs:
+        full.append(tiny_target.forward_packed(s, [0, len(s)], [tiny_target.new_cache()]).logits)
+    kvs = [tiny_target.new_cache(capacity=4) for _ in seqs]  # small capacity: exercises growth
+    for s, p, kv in zip(seqs, split, kvs, strict=True):
+        if p:
+            tiny_target.forward_packed(s[:p], [0, p], [kv])
+    stream = torch.cat([s[p:] for s, p in zip(seqs, split, strict=True)])
+    cu = [0]
+    for s, p in zip(seqs, split, strict=True):
+        cu.append(cu[-1] + len(s) - p)
+    out = tiny_target.forward_packed(stream, cu, kvs)
+    for b, (s, p) in enumerate(zip(seqs, split, strict=True)):
+        assert torch.allclose(out.logits[cu[b] : cu[b + 1]], full[b][p:], atol=1e-5)
+        assert kvs[b].length == len(s)
+
+
+def test_logits_index_and_truncate(tiny_target):
+    ids = torch.randint(3, 97, (12,), generator=torch.Generator().manual_seed(3))
+    kv = tiny_target.new_cache()
+    out = tiny_target.forward_packed(ids, [0, 12], [kv], logits_index=torch.tensor([11]))
+    assert out.logits.shape == (1, 97)
+    kv.truncate(8)  # drop 4 positions, then continue: same as having run only 8 + the next 4
+    again = tiny_target.forward_packed(ids[8:], [0, 4], [kv]).logits
+    ref = tiny_target.forward_packed(ids, [0, 12], [tiny_target.new_cache()]).logits[8:]
+    assert torch.allclose(again, ref, atol=1e-5)
+    with pytest.raises(ValueError):
+        kv.truncate(100)
+
+
+def test_default_hidden_layers_are_evenly_spaced():
+    assert default_hidden_layers(30, 4) == (1, 10, 18, 27)
+    assert default_hidden_layers(36, 5)[0] == 1 and default_hidden_layers(36, 5)[-1] == 33
+    assert default_hidden_layers(4, 2) == (0, 3)
+
+
+@pytest.mark.realmodel
+def test_real_model_logits_match_transformers(real_target_dir, real_target, real_tokenizer):
+    ref = _hf(real_target_dir)
+    text = real_tokenizer.apply_chat([{"role": "user", "content": "Name three prime numbers."}])
+    ids = torch.tensor(real_tokenizer.encode(text))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+    kv = real_target.new_cache()
+    out = real_target.forward_packed(ids[:-5], [0, len(ids) - 5], [kv])
+    rest = real_target.forward_packed(ids[-5:], [0, 5], [kv])
+    assert (out.logits - expected[:-5]).abs().max() < 1e-4
+    assert (rest.logits - expected[-5:]).abs().max() < 1e-4

@@ -1,0 +1,116 @@
+"""The node's HTTP surface over real HTTP: OpenAI-compatible answers, errors, admin, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from dataplane.drafter import new_drafter
+from dataplane.drafter_io import save_bundle
+from tests.dataplane.conftest import TOKEN
+
+
+def test_completion_and_usage(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello there", "max_tokens": 12,
+                                                          "temperature": 0, "ignore_eos": True},
+                   headers={"X-Tenant-ID": "acme"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    spec = body["usage"]["speculative"]
+    assert body["usage"]["completion_tokens"] == 12
+    assert set(spec) == {"rounds", "draft_tokens", "verified_tokens", "accepted_tokens", "mean_accept_len",
+                         "mean_verify_len", "drafter_version"}
+    assert spec["drafter_version"] == "v1" and spec["rounds"] >= 1
+
+
+def test_chat_streaming_matches_non_streaming(server):
+    req = {"messages": [{"role": "user", "content": "Count to five"}], "max_tokens": 16, "temperature": 0,
+           "ignore_eos": True}
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=req, timeout=60).json()
+    text = plain["choices"][0]["message"]["content"]
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**req, "stream": True}, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert streamed == text
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" in events[-1]
+
+
+def test_stop_string_is_honoured(server):
+    base = {"prompt": "a b c", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{server.url}/v1/completions", json=base, timeout=60).json()["choices"][0]["text"]
+    assert len(full) > 6
+    stop = full[3:6]
+    r = httpx.post(f"{server.url}/v1/completions", json={**base, "stop": [stop]}, timeout=60).json()
+    assert r["choices"][0]["text"] == full[: full.index(stop)]
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"", 400, "empty"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"prompt": ""}).encode(), 400, "empty"),
+    (json.dumps({"prompt": "hi", "temperature": 5}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 100000}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"prompt": "word " * 400}).encode(), 400, "at most"),
+])
+def test_bad_input_gets_json_4xx(server, body, status, fragment):
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_bad_tenant_and_unknown_route(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, headers={"X-Tenant-ID": "bad tenant!"})
+    assert r.status_code == 400 and "X-Tenant-ID" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/nope").status_code == 404
+
+
+def test_health_ready_metrics(server):
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{server.url}/readyz")
+    assert ready.status_code == 200 and ready.json()["drafter_version"] == "v1"
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("adaflash_tps", "adaflash_tau", "adaflash_k_hat", "adaflash_position_verified",
+                 "adaflash_queue_depth", 'adaflash_drafter_info{version="v1"}'):
+        assert name in text
+
+
+def test_admin_requires_token_and_refuses_bad_weights(server, tiny_node, tmp_path):
+    assert httpx.get(f"{server.url}/admin/drafter").status_code == 401
+    assert httpx.get(f"{server.url}/admin/drafter", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"] == "v1"
+    from dataplane.target_cache import target_identity
+
+    good = tmp_path / "v2"
+    save_bundle(new_drafter(tiny_node.target, seed=2, num_layers=1, n_target_layers=2, block_size=8), good,
+                target_identity(tiny_node.target_dir), version="v2")
+    bad = tmp_path / "bad"
+    save_bundle(new_drafter(tiny_node.target, seed=3, num_layers=1, n_target_layers=2, block_size=8), bad,
+                target_identity(tiny_node.target_dir), version="bad")
+    raw = bytearray((bad / "model.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (bad / "model.safetensors").write_bytes(bytes(raw))
+    r = httpx.post(f"{server.url}/admin/drafter", json={"version": "bad", "uri": str(bad)}, headers=auth, timeout=60)
+    assert r.status_code == 409 and "sha256 mismatch" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"] == "v1"
+    r = httpx.post(f"{server.url}/admin/drafter", json={"version": "v2", "uri": str(good)}, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["pause_ms"] < 50
+    assert httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"] == "v2"
+    done = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+    assert done.json()["usage"]["speculative"]["drafter_version"] == "v2"
+    r = httpx.post(f"{server.url}/admin/drafter", json={"version": "x"}, headers=auth)
+    assert r.status_code == 400
