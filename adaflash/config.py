@@ -99,6 +99,11 @@ class LearnerConfig(BaseModel):
     grad_accum: int = 2
     max_record_tokens: int = 1024
     min_response_tokens: int = 2
+    # How a record's prompt_text is tokenized. "as_sent": exactly as the node did (it
+    # ships chat requests already templated, completions raw). "chat": a prompt with no
+    # special tokens is wrapped in the chat template as one user turn (for emitters
+    # that ship the bare user message).
+    prompt_format: Literal["as_sent", "chat"] = "as_sent"
     anchors_per_record: int = 8  # training blocks sampled per record and epoch
     # Length-head labels: "rounds" (the verify rounds a record carries, anchors rebuilt
     # from them, falling back to simulation) or "simulated" (greedy acceptance of the

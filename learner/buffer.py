@@ -66,6 +66,7 @@ class Item:
     partition: int
     offset: int
     arrived: float = field(default_factory=time.monotonic)
+    traceparent: str | None = None  # the record's trace (Kafka header), linked from the train step
 
     @property
     def record(self) -> FeedbackRecord:

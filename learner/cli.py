@@ -28,7 +28,10 @@ def run(args, settings) -> int:
         settings.learner.state_dir = args.state_dir
     if args.init_drafter:
         settings.learner.init_drafter = args.init_drafter
+    from adaflash.telemetry import LEARNER, setup_telemetry
     from learner.service import Learner
+
+    setup_telemetry(LEARNER, settings)
 
     publisher = None
     learner = Learner(settings)

@@ -39,6 +39,14 @@ import torch
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord
 from adaflash.contracts.manifest import Lineage, OffsetRange
+from adaflash.telemetry import (
+    LEARNER,
+    SpanAttrs,
+    Spans,
+    links_from_traceparents,
+    traceparent_from_headers,
+    tracer,
+)
 from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import load_bundle
 from dataplane.model import TargetModel
@@ -50,6 +58,7 @@ from learner.supervision import BAD_SCHEMA, Supervisor, Unusable
 from learner.trainer import Trainer
 
 log = logging.getLogger("adaflash.learner")
+_tracer = tracer(__name__, service=LEARNER)
 
 CRASH_ENV = "ADAFLASH_LEARNER_CRASH"
 
@@ -96,7 +105,7 @@ class Learner:
         self.drafter = drafter
         self.supervisor = Supervisor(self.target, Tokenizer(tdir), self.identity, drafter.config.target_layers,
                                      self.cfg.max_record_tokens, self.cfg.min_response_tokens,
-                                     self.cfg.supervise_chunk_tokens)
+                                     self.cfg.supervise_chunk_tokens, self.cfg.prompt_format)
         self.trainer = Trainer(drafter, self.supervisor, self.cfg)
         self.store = CheckpointStore(state_dir(settings), keep=self.cfg.keep_checkpoints)
         if self.store.load_into(drafter, self.trainer.opt):
@@ -142,12 +151,14 @@ class Learner:
         except InvalidRecord as e:
             return self._dlq(msg, BAD_SCHEMA, str(e))
         if self.store.seen(record.record_id):
+            log.info("record %s at %s/%s already trained: skipped", record.record_id, msg.partition, msg.offset)
             return self._count("already_trained")
         try:
             tok = self.supervisor.tokenize(record)
         except Unusable as e:
             return self._dlq(msg, e.reason, e.detail)
-        outcome = self.buffer.offer(Item(tok, msg.partition, msg.offset))
+        outcome = self.buffer.offer(Item(tok, msg.partition, msg.offset,
+                                         traceparent=traceparent_from_headers(msg.headers)))
         if outcome in ("expired", "opt_out"):
             self.done.append(Done(record.record_id, record.tenant_id, outcome, record.created_at.isoformat()))
             self.dirty = True
@@ -177,6 +188,18 @@ class Learner:
         with self._lock:
             items, gone = self.buffer.take()
         step = self.store.step + 1
+        links = links_from_traceparents(i.traceparent for i in items)
+        with _tracer.start_as_current_span(Spans.TRAIN_STEP, links=links,
+                                           attributes={SpanAttrs.RECORDS: len(items), "step": step}) as span:
+            metrics = self._step(step, items, gone)
+            for key in ("loss", "head_mae", "clip_ratio", "sim_tau"):
+                if key in metrics:
+                    span.set_attribute(key, metrics[key])
+        if items:
+            self._maybe_publish(step, metrics)
+        return metrics
+
+    def _step(self, step: int, items: list[Item], gone: list[Item]) -> dict[str, float]:
         done = self.done + [Done(i.record.record_id, i.record.tenant_id, "expired", i.record.created_at.isoformat())
                             for i in gone]
         metrics: dict[str, float] = {}
@@ -194,7 +217,6 @@ class Learner:
             log.info("step %s: %d records, loss %.4f, head_mae %.3f, sim_tau %.2f", step, len(items),
                      metrics.get("loss", float("nan")), metrics.get("head_mae", float("nan")),
                      metrics.get("sim_tau", float("nan")))
-            self._maybe_publish(step, metrics)
         return metrics
 
     def _checkpoint(self, step: int, done: list[Done], items: list[Item], metrics: dict,
@@ -246,8 +268,11 @@ class Learner:
         every = self.cfg.publish_every
         if self.publisher is None or not every or step % every:
             return
-        pub = self.publisher.publish(self.drafter, self.lineage(), self.params(), metrics,
-                                     training={"step": step, "ledger_records": len(self.store.ledger())}, step=step)
+        with _tracer.start_as_current_span(Spans.PUBLISH, attributes={"step": step}) as span:
+            pub = self.publisher.publish(self.drafter, self.lineage(), self.params(), metrics,
+                                         training={"step": step, "ledger_records": len(self.store.ledger())},
+                                         step=step)
+            span.set_attribute(SpanAttrs.VERSION, pub.version)
         self.store.set_meta({"parent_version": pub.version, "lineage_pending": None, "published_step": step})
         log.info("step %s published as version %s (run %s)", step, pub.version, pub.run_id)
 

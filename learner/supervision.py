@@ -1,13 +1,16 @@
 """Target supervision computed learner-side from scrubbed FeedbackRecords.
 
 Token ids are not shipped (DESIGN.md): the learner re-tokenizes the scrubbed prompt
-(through the target's chat template, unless it is already templated) and response,
-then runs the frozen target once over prompt + response with fresh caches. For every
+and response and runs the frozen target once over prompt + response with fresh caches. For every
 position t it keeps
 
 - ``ctx_hidden[t]``: the outputs of the target layers the drafter is conditioned on;
 - ``final_hidden[t]``: the last layer's output (before the final norm);
 - ``top1[t]``: the target's argmax for the token at t + 1.
+
+The prompt is tokenized as the node tokenized it (a node ships chat requests with the
+chat template already applied, completions as sent), or, with prompt_format "chat",
+a prompt without special tokens is wrapped in the chat template as one user turn.
 
 Full next-token distributions are not stored: at V = 49152 they would cost ~200 kB per
 position (~60 MB per record). The final hidden state is stored instead (H floats per
@@ -67,7 +70,8 @@ class Supervisor:
     """Re-tokenizes records and runs the frozen target for their supervision."""
 
     def __init__(self, target: TargetModel, tokenizer: Tokenizer, identity: dict, hidden_layers: list[int],
-                 max_tokens: int = 1024, min_response_tokens: int = 2, chunk_tokens: int = 4096):
+                 max_tokens: int = 1024, min_response_tokens: int = 2, chunk_tokens: int = 4096,
+                 prompt_format: str = "as_sent"):
         self.target = target
         self.tok = tokenizer
         self.identity = identity
@@ -76,6 +80,7 @@ class Supervisor:
         self.max_tokens = max_tokens
         self.min_response_tokens = min_response_tokens
         self.chunk_tokens = chunk_tokens
+        self.prompt_format = prompt_format
         self._specials = [t for t in self.tok.hf.all_special_tokens if t]
 
     # --- checks and tokenization -------------------------------------------------------------
@@ -86,9 +91,9 @@ class Supervisor:
                                            f"for {self.identity['id']} ({self.identity['sha256'][:12]})")
 
     def prompt_ids(self, prompt_text: str) -> list[int]:
-        """A plain prompt goes through the chat template as one user turn; templated text as is."""
+        """As sent, or (prompt_format "chat") a plain prompt wrapped in the chat template."""
         templated = any(s in prompt_text for s in self._specials)
-        text = prompt_text if templated else self.tok.apply_chat([{"role": "user", "content": prompt_text}])
+        text = prompt_text if templated or self.prompt_format != "chat" else self.tok.apply_chat([{"role": "user", "content": prompt_text}])
         return self.tok.encode(text)
 
     def tokenize(self, record: FeedbackRecord) -> Tokenized:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from adaflash.config import KafkaConfig, LearnerConfig, ModelConfig, Settings, load_config
+from adaflash.telemetry import LEARNER, reset_telemetry, setup_telemetry
 from dataplane.drafter_io import load_bundle
 from learner.checkpoint import CheckpointStore
 from learner.consumer import ensure_topics
@@ -44,6 +46,9 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
     ensure_topics(s.kafka)
     produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good] + bad)
 
+    spans = InMemorySpanExporter()
+    s.telemetry.exporter = "memory"
+    setup_telemetry(LEARNER, s, span_exporter=spans)
     learner = Learner(s)
     learner.publisher = Publisher(mlflow_uri, learner.identity, tmp_path / "artifacts")
     steps = learner.run(exit_when_idle_s=2.0)
@@ -90,6 +95,14 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
         assert torch.equal(t, learner.drafter.state_dict()[name].detach()), name  # the last step's weights
     run = client.get_run(last.run_id)
     assert run.data.params["alpha"] == "0.8" and "head_mae" in run.data.metrics and "clip_ratio" in run.data.metrics
+
+    # traces: each step links to the traces of the records it used; each publish names its version
+    finished = spans.get_finished_spans()
+    steps_spans = [sp for sp in finished if sp.name == "train_step" and sp.attributes["records"]]
+    assert len(steps_spans) == steps and all(sp.links for sp in steps_spans)
+    assert sorted(sp.attributes["version"] for sp in finished if sp.name == "publish") == \
+        sorted(str(v.version) for v in versions)
+    reset_telemetry()
 
     # a restarted learner trains nothing twice and sends nothing new to the DLQ
     again = Learner(s)

@@ -23,9 +23,10 @@ def supervisor(target, target_dir):
 
 
 def test_supervision_matches_a_plain_target_forward(supervisor, target):
-    recs = [make_record(prompt="hello there", response="general kenobi " * 3), make_record(response="abc def ghi")]
+    chat = supervisor.tok.apply_chat([{"role": "user", "content": "hello there"}])
+    recs = [make_record(prompt=chat, response="general kenobi " * 3), make_record(response="abc def ghi")]
     toks = [supervisor.tokenize(r) for r in recs]
-    assert toks[0].ids[:1] == [1]  # templated: starts with <|im_start|>
+    assert toks[0].ids[:1] == [1] and toks[1].ids[:1] != [1]  # as the node sent them: chat templated, raw as is
     sups = supervisor.supervise(toks)
     for t, s in zip(toks, sups, strict=True):
         ids = torch.tensor(t.ids)
@@ -35,6 +36,14 @@ def test_supervision_matches_a_plain_target_forward(supervisor, target):
         assert torch.allclose(s.ctx_hidden, ref.hidden, atol=1e-5)
         assert torch.allclose(supervisor.target_logits(s.final_hidden), ref.logits, atol=1e-4)
         assert torch.equal(s.top1, ref.logits.argmax(-1))
+
+
+def test_chat_prompt_format_wraps_bare_user_messages(supervisor):
+    wrap = Supervisor(supervisor.target, supervisor.tok, supervisor.identity, list(supervisor.hidden_layers),
+                      prompt_format="chat")
+    expected = supervisor.tok.encode(supervisor.tok.apply_chat([{"role": "user", "content": "hi"}]))
+    assert wrap.prompt_ids("hi") == expected and supervisor.prompt_ids("hi") == supervisor.tok.encode("hi")
+    assert wrap.prompt_ids(supervisor.tok.apply_chat([{"role": "user", "content": "hi"}])) == expected
 
 
 def test_unusable_records_carry_a_reason(supervisor):
