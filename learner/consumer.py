@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from adaflash.config import KafkaConfig, LearnerConfig
@@ -90,9 +91,17 @@ class FeedbackConsumer:
         self._dlq_futures = []
 
     def commit(self, offsets: dict[int, int]) -> None:
-        if offsets:
+        """Commit the group's offsets. A commit refused because a rebalance moved the
+        partitions away is logged, not raised: the checkpoint already holds the step."""
+        owned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.topic}
+        offsets = {p: o for p, o in offsets.items() if p in owned}
+        if not offsets:
+            return
+        try:
             self.consumer.commit({TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1)
                                   for p, o in offsets.items()})
+        except CommitFailedError as e:
+            log.warning("offset commit refused after a rebalance: %s", e)
 
     def close(self) -> None:
         try:

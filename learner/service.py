@@ -269,9 +269,14 @@ class Learner:
         if self.publisher is None or not every or step % every:
             return
         with _tracer.start_as_current_span(Spans.PUBLISH, attributes={"step": step}) as span:
-            pub = self.publisher.publish(self.drafter, self.lineage(), self.params(), metrics,
-                                         training={"step": step, "ledger_records": len(self.store.ledger())},
-                                         step=step)
+            try:
+                pub = self.publisher.publish(self.drafter, self.lineage(), self.params(), metrics,
+                                             training={"step": step, "ledger_records": len(self.store.ledger())},
+                                             step=step)
+            except Exception as e:  # noqa: BLE001 - registry down: keep training, lineage stays pending
+                log.error("step %s: publishing failed (%s); the next publish carries this lineage", step, e)
+                span.record_exception(e)
+                return
             span.set_attribute(SpanAttrs.VERSION, pub.version)
         self.store.set_meta({"parent_version": pub.version, "lineage_pending": None, "published_step": step})
         log.info("step %s published as version %s (run %s)", step, pub.version, pub.run_id)
