@@ -113,11 +113,35 @@ class LearnerConfig(BaseModel):
     loss: Literal["opd", "rkl", "rkl_clip", "osd", "hard"] = "opd"
     lr_drafter: float = 3e-4
     lr_head: float = 2e-4
-    buffer_size: int = 32  # paper: 128; CPU-scaled default
+    # Paper: 128 records per buffer, 2 epochs, batch 1, accumulation 2. On 2 CPU cores a
+    # 128-record buffer of ~300-token records takes minutes of target prefill and
+    # training, so the default buffer is 32 (one update every ~16 records, as the paper).
+    buffer_size: int = 32
     epochs: int = 2
     grad_accum: int = 2
     max_record_tokens: int = 1024
-    publish_every: int = 1
+    min_response_tokens: int = 2
+    # How a record's prompt_text is tokenized. "as_sent": exactly as the node did (it
+    # ships chat requests already templated, completions raw). "chat": a prompt with no
+    # special tokens is wrapped in the chat template as one user turn (for emitters
+    # that ship the bare user message).
+    prompt_format: Literal["as_sent", "chat"] = "as_sent"
+    anchors_per_record: int = 8  # training blocks sampled per record and epoch
+    # Length-head labels: "rounds" (the verify rounds a record carries, anchors rebuilt
+    # from them, falling back to simulation) or "simulated" (greedy acceptance of the
+    # current drafter against the target's top-1, computed exactly).
+    head_label: Literal["rounds", "simulated"] = "rounds"
+    publish_every: int = 1  # publish a candidate every N checkpointed steps (0: never)
+    init_drafter: str = ""  # bundle to start from; empty: dataplane.drafter, else a random one
+    state_dir: str = ""  # empty: $ADAFLASH_HOME/learner
+    tenant_policy_file: str = ""  # YAML/JSON list of TenantPolicy; empty: governance defaults
+    max_wait_s: float = 60.0  # train a partial buffer once its oldest record waited this long
+    max_deferred: int = 128  # records held back by the share cap before fetching pauses
+    session_timeout_ms: int = 6000  # consumer group session (fast joins on Tansu)
+    poll_timeout_ms: int = 500
+    supervise_chunk_tokens: int = 4096  # target tokens per packed supervision forward
+    keep_checkpoints: int = 2
+    seed: int = 0
 
 
 class ControlplaneConfig(BaseModel):
