@@ -102,6 +102,10 @@ class GovernanceConfig(BaseModel):
     policy_timeout_s: float = 1.0
     # PII score threshold (Presidio); lower catches more.
     pii_score_threshold: float = 0.3
+    # "process": scrub in a niced child process (keeps Presidio off the serving process's GIL);
+    # "inline": scrub on the emitter's threads (tests, tools).
+    scrubber: Literal["process", "inline"] = "process"
+    scrub_nice: int = 10
     default_sampling_rate: float = 1.0
     default_ttl_days: float = 30.0
     default_share_cap: float = 0.5

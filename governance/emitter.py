@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import re
 import threading
@@ -321,8 +322,9 @@ def build_emitter(settings: Settings, *, bootstrap: str | None = None, policy: P
         if settings.dataplane.controlplane_url:
             from governance.policy import HttpPolicySource
 
+            token = os.environ.get(settings.dataplane.controlplane_token_env, "").strip() or None
             policy = HttpPolicySource(settings.dataplane.controlplane_url, ttl_s=gov.policy_ttl_s,
-                                      timeout_s=gov.policy_timeout_s, gov=gov)
+                                      timeout_s=gov.policy_timeout_s, gov=gov, token=token)
         else:
             policy = StaticPolicySource(gov=gov)
     spool = Spool(gov.spool_path or gdir / "spool.db", gov.spool_max_records, gov.spool_overflow)
@@ -332,7 +334,13 @@ def build_emitter(settings: Settings, *, bootstrap: str | None = None, policy: P
         retention_ms = topic_retention_ms(pols, gov.default_ttl_days)
     producer = FeedbackProducer(bootstrap or settings.kafka.bootstrap, spool, settings.kafka,
                                 retention_ms=retention_ms)
+    closeables: list = [spool, usage]
+    if scrubber is None and gov.scrubber == "process":
+        from governance.scrub_process import ProcessScrubber
+
+        scrubber = ProcessScrubber(nice=gov.scrub_nice, score_threshold=gov.pii_score_threshold)
+        closeables.append(scrubber)
     emitter = FeedbackEmitter(producer, scrubber, policy, gov=gov, usage=usage, registry=registry, owns_sink=True,
-                              closeables=[spool, usage])
+                              closeables=closeables)
     spool.on_drop = emitter.count_drop
     return emitter
