@@ -278,8 +278,10 @@ class Demo:
         console.print(f"prompts: {source}; measurement set {sum(map(len, ev.values()))} requests "
                       f"(tenant {EVAL_TENANT}, feedback opted out)")
         for name, why in self.missing.items():
-            if why != "not selected":
-                console.print(f"[yellow]stack part {name} is missing: {why}[/yellow]")
+            if not why.startswith("external"):
+                console.print(f"[yellow]stack part {name} is missing ({why}): "
+                              f"{'no candidate can appear' if name == 'learner' else 'the loop is incomplete'}"
+                              "[/yellow]")
         self.cp.put(f"/tenants/{EVAL_TENANT}/policy", {"opt_out": True})
         for tenant in TENANTS:
             self.cp.put(f"/tenants/{tenant}/policy", {"sampling_rate": 1.0})

@@ -262,7 +262,7 @@ class Service:
     port: int | None = None
     url: str | None = None
     after_ready: Callable[[], str] | None = None  # e.g. create Kafka topics after a broker (re)start
-    before_start: Callable[[], None] | None = None  # e.g. make the node's API key
+    before_start: Callable[[Service], None] | None = None  # e.g. make the node's API key
 
 
 @dataclass
@@ -396,8 +396,10 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
             env.update({"ADAFLASH_DATAPLANE__CONTROLPLANE_URL": cp_url,
                         "ADAFLASH_DATAPLANE__CONTROLPLANE_TOKEN_FILE": str(node_token)})
 
-            def before(cp_url=cp_url):
+            def before(svc: Service, cp_url=cp_url) -> None:
                 ensure_node_key(cp_url, admin_token, node_token, sc.node_id)
+                # the reconciler reads the file; the feedback policy source reads the variable
+                svc.env[settings.dataplane.controlplane_token_env] = node_token.read_text().strip()
         services.append(Service(
             "dataplane", _cli(config, "serve", "--host", host, "--port", str(port)), env,
             lambda: http_ok(f"{node_url}/readyz"), port, node_url, before_start=before))
@@ -651,7 +653,7 @@ class Supervisor:
     def _start(self, svc: Service, p: Proc) -> None:
         if svc.before_start is not None:
             try:
-                svc.before_start()
+                svc.before_start(svc)
             except Exception as e:  # noqa: BLE001 - retried after a backoff
                 p.streak += 1
                 delay = min(self.sc.restart_backoff_max_s, self.sc.restart_backoff_s * 2 ** (p.streak - 1))

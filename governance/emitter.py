@@ -30,13 +30,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 from typing import Protocol
 
+from opentelemetry.trace import Status, StatusCode
+
 from adaflash.config import GovernanceConfig, Settings
 from adaflash.contracts.feedback import FeedbackRecord
 from adaflash.contracts.tenancy import TenantPolicy
+from adaflash.telemetry import DATAPLANE, SpanAttrs, Spans, extract_context, inject_traceparent, tracer
 from governance.pii import ScrubbedRecord
 from governance.policy import PolicySource, StaticPolicySource, default_policy
 
 log = logging.getLogger(__name__)
+_tracer = tracer("adaflash.governance", service=DATAPLANE)  # a no-op until the node sets up telemetry
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 INVALID_TENANT_LABEL = "_invalid"
@@ -231,23 +235,33 @@ class FeedbackEmitter:
         if not sampled(record.record_id, policy.sampling_rate):
             self.count_drop(tenant, "sampled_out")
             return
-        fut = self._scrub_pool.submit(self.scrubber.scrub_record, record)
-        try:
-            scrubbed = fut.result(timeout=self.scrub_timeout_s)
-        except FutureTimeout:
-            fut.cancel()
-            self.count_drop(tenant, "scrub_timeout")
-            return
-        except Exception as e:  # noqa: BLE001 - fail closed
-            log.warning("scrub failed (%s): record dropped", type(e).__name__)
-            self.count_drop(tenant, "scrub_error")
-            return
-        if not isinstance(scrubbed, ScrubbedRecord) or scrubbed.tenant_id != tenant:
-            self.count_drop(tenant, "scrub_error")
-            return
-        if not self.sink.send(scrubbed, traceparent):
-            self.count_drop(tenant, "producer_backlog")
-            return
+        # spans scrub and produce continue the request's trace; the Kafka header then names
+        # the produce span, so the learner's train step links into the same trace
+        parent = extract_context(traceparent) if traceparent else None
+        attrs = {SpanAttrs.TENANT: tenant, SpanAttrs.RECORD_ID: record.record_id}
+        with _tracer.start_as_current_span(Spans.SCRUB, context=parent, attributes=attrs) as span:
+            fut = self._scrub_pool.submit(self.scrubber.scrub_record, record)
+            try:
+                scrubbed = fut.result(timeout=self.scrub_timeout_s)
+            except FutureTimeout:
+                fut.cancel()
+                self.count_drop(tenant, "scrub_timeout")
+                span.set_status(Status(StatusCode.ERROR, "scrub_timeout"))
+                return
+            except Exception as e:  # noqa: BLE001 - fail closed
+                log.warning("scrub failed (%s): record dropped", type(e).__name__)
+                self.count_drop(tenant, "scrub_error")
+                span.set_status(Status(StatusCode.ERROR, "scrub_error"))
+                return
+            if not isinstance(scrubbed, ScrubbedRecord) or scrubbed.tenant_id != tenant:
+                self.count_drop(tenant, "scrub_error")
+                span.set_status(Status(StatusCode.ERROR, "scrub_error"))
+                return
+        with _tracer.start_as_current_span(Spans.PRODUCE, context=parent, attributes=attrs) as span:
+            if not self.sink.send(scrubbed, inject_traceparent(span) or traceparent):
+                self.count_drop(tenant, "producer_backlog")
+                span.set_status(Status(StatusCode.ERROR, "producer_backlog"))
+                return
         self._count_emitted(scrubbed)
         if self.usage is not None and self.usage.wants_sample(tenant):
             try:

@@ -65,6 +65,7 @@ def tiny_env(home: Path, target: Path, bundle: Path | None, **extra: str) -> dic
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS": "",
         "HF_HUB_OFFLINE": "1",
+        "COLUMNS": "200",
     })
     if bundle is not None:
         env["ADAFLASH_DATAPLANE__DRAFTER"] = str(bundle)

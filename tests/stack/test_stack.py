@@ -53,7 +53,8 @@ def _wait(pred, timeout: float, what: str, home=None):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_vocab_target, tiny_bundle):
     home = tmp_path_factory.mktemp("stack-home")
-    env = tiny_env(home, tiny_vocab_target, tiny_bundle)
+    # feedback off: the scrubber (Presidio) and the learner belong to the closed-loop test
+    env = tiny_env(home, tiny_vocab_target, tiny_bundle, ADAFLASH_GOVERNANCE__FEEDBACK_ENABLED="false")
     t0 = time.monotonic()
     r = adaflash(env, "up", "--detach", "--random-ports", "--without", "learner", "--json", timeout=400,
                  check=False)
