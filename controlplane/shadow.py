@@ -55,6 +55,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -136,8 +137,7 @@ class KafkaFeedbackWindow:
         from kafka import KafkaConsumer, TopicPartition
 
         consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
-                                 request_timeout_ms=int(self.timeout_s * 1000) + 5000,
-                                 api_version_auto_timeout_ms=int(self.timeout_s * 1000))
+                                 request_timeout_ms=int(self.timeout_s * 1000) + 5000)
         try:
             parts = consumer.partitions_for_topic(self.topic) or set()
             tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
@@ -146,29 +146,28 @@ class KafkaFeedbackWindow:
             consumer.assign(tps)
             ends = consumer.end_offsets(tps)
             begins = consumer.beginning_offsets(tps)
-            todo = {}
             for tp in tps:
-                start = max(begins.get(tp, 0) or 0, (ends.get(tp, 0) or 0) - self.per_partition)
-                if ends.get(tp, 0) > start:
-                    consumer.seek(tp, start)
-                    todo[tp] = ends[tp]
-            out: list[FeedbackRecord] = []
+                consumer.seek(tp, max(begins.get(tp) or 0, (ends.get(tp) or 0) - self.per_partition))
+            # Keep the last per_partition records of each partition. Read until every position
+            # passed its end offset and a poll comes back empty: a broker that under-reports its
+            # end offsets (the embedded Tansu does) is then read to its real end.
+            tails = {tp: deque(maxlen=self.per_partition) for tp in tps}
             deadline = time.monotonic() + self.timeout_s
-            while todo and time.monotonic() < deadline:
-                batch = consumer.poll(timeout_ms=500, max_records=1000)
+            while time.monotonic() < deadline:
+                batch = consumer.poll(timeout_ms=500, max_records=2000)
                 for tp, msgs in batch.items():
-                    for m in msgs:
-                        if tp in todo and m.offset < todo[tp]:
-                            try:
-                                out.append(FeedbackRecord.from_bytes(m.value))
-                            except InvalidRecord:
-                                self.invalid += 1
-                for tp in list(todo):
-                    if consumer.position(tp) >= todo[tp]:
-                        del todo[tp]
-            if todo:
-                log.warning("feedback window incomplete after %.0f s: %s", self.timeout_s,
-                            {f"{tp.topic}/{tp.partition}": end for tp, end in todo.items()})
+                    tails[tp].extend(m.value for m in msgs)
+                if not batch and all(consumer.position(tp) >= (ends.get(tp) or 0) for tp in tps):
+                    break
+            else:
+                log.warning("feedback window read stopped after %.0f s", self.timeout_s)
+            out: list[FeedbackRecord] = []
+            for tp in tps:
+                for raw in tails[tp]:
+                    try:
+                        out.append(FeedbackRecord.from_bytes(raw))
+                    except InvalidRecord:
+                        self.invalid += 1
             return out
         finally:
             consumer.close()
@@ -293,17 +292,17 @@ def replay_drafter(drafter, hidden: torch.Tensor, ids: list[int], start: int, *,
         a = start
         while a < L - 1:
             i = a - start
-            n = min(int(k_hat[i]) - 1, L - 1 - a)
+            # As the engine caps k_hat: the round's own (bonus) token must fit in the response.
+            n = min(int(k_hat[i]), L - 1 - a) - 1
             acc = min(int(full_acc[i]), n)
-            step = min(acc + 1, L - 1 - a)
             rep.rounds += 1
             rep.verified += n + 1
-            rep.committed += step
-            a += step
+            rep.committed += acc + 1
+            a += acc + 1
     else:
         exp_tau, verified = [], []
         for i, surv in enumerate(alphas):
-            n = min(int(k_hat[i]) - 1, surv.numel())
+            n = min(int(k_hat[i]), surv.numel()) - 1
             exp_tau.append(1.0 + float(surv[:n].sum()))
             verified.append(n + 1)
         mean_tau = sum(exp_tau) / len(exp_tau)

