@@ -634,6 +634,10 @@ class ShadowEvaluator:
             v = lifecycle.get_version(s, version)
             lifecycle.transition(s, v, VersionState.rejected, actor=SYSTEM_SHADOW, reason=reason)
         log.warning("version %s refused: %s", version, reason)
+        try:
+            self.registry.set_state(version, VersionState.rejected.value)
+        except Exception as e:  # mirrored again by the rollout loop
+            log.warning("could not write the state of %s to MLflow: %s", version, e)
         return Outcome(version, VersionState.rejected.value, evaluation_id, reason)
 
     def _evaluate(self, version: str) -> Outcome:
@@ -691,6 +695,7 @@ class ShadowEvaluator:
             span.set_attribute(SpanAttrs.DECISION, state)
         try:
             self.registry.set_gate_results(version, [r.to_dict() for r in results], self.policy.policy_version)
+            self.registry.set_state(version, state)
         except Exception as e:  # MLflow down: tags are mirrored again later, the database decides
             log.warning("could not write gate results of %s to MLflow: %s", version, e)
         return Outcome(version, state, evaluation_id, reason)
