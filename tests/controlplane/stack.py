@@ -52,15 +52,17 @@ class LiveServer:
         self.thread.join(timeout=15)
 
 
-def relaxed_policy(path: Path, **rollout) -> Path:
+def relaxed_policy(path: Path, approval: str = "required", **rollout) -> Path:
     """The default policy with thresholds a random tiny drafter can meet, and a short watch."""
     data = yaml.safe_load(DEFAULT_POLICY_PATH.read_text())
     data["policy_version"] = "test.1"
+    data["approval"] = approval
     data["gates"].update(min_tau_gain=-0.5, max_tenant_regression=0.5, max_domain_regression=0.5,
                          min_slice_records=1, calibration_mae_max=1.0, min_eval_records=4)
-    data["rollout"].update(canary_fraction=0.5, watch_window_s=0.5, min_watch_heartbeats=2,
-                           max_live_tau_regression=0.3, max_live_tps_regression=0.99, max_live_error_rate=0.01,
-                           converge_timeout_s=60, post_promotion_watch_s=30, **rollout)
+    data["rollout"].update({"canary_fraction": 0.5, "watch_window_s": 0.5, "min_watch_heartbeats": 2,
+                            "max_live_tau_regression": 0.3, "max_live_tps_regression": 0.99,
+                            "max_live_error_rate": 0.01, "converge_timeout_s": 60, "post_promotion_watch_s": 30,
+                            **rollout})
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -210,7 +212,7 @@ def tiny_target_dir(root: Path, real_target_dir: Path) -> Path:
 
 
 def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides: dict | None = None,
-                max_model_len: int = 512) -> Stack:
+                approval: str = "required", max_model_len: int = 512) -> Stack:
     from dataplane.model import TargetModel
     from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
@@ -225,7 +227,7 @@ def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides
     settings.dataplane.breakeven = False
     cp = settings.controlplane
     cp.mlflow_tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
-    cp.policy_file = str(relaxed_policy(root / "policy.yaml", **(policy_overrides or {})))
+    cp.policy_file = str(relaxed_policy(root / "policy.yaml", approval, **(policy_overrides or {})))
     cp.heartbeat_timeout_s = 2.0
     cp.rollout_lease_s = 1.0
     cp.feedback_source = "none"
@@ -249,7 +251,7 @@ def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides
     return Stack(settings, registry, server, admin, target, tokenizer, identity, Path(target_dir), workers, bundles)
 
 
-def feedback_records(tokenizer, n: int = 12, now=None) -> list:
+def feedback_records(tokenizer, n: int = 12, now=None, target_id: str = "tiny-llama") -> list:
     """Held-out records of two tenants and two domains (text the tiny target's tokenizer reads)."""
     from tests.controlplane.shadow_util import evaluation_ids, record
 
@@ -259,7 +261,7 @@ def feedback_records(tokenizer, n: int = 12, now=None) -> list:
              "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;"]
     ids = evaluation_ids(n)
     return [record(rid, "Continue: " + texts[i % 4][:20], texts[i % 4], tenant="acme" if i % 2 else "globex",
-                   domain="code" if i % 4 in (1, 3) else "chat", target_id="tiny-llama", now=now)
+                   domain="code" if i % 4 in (1, 3) else "chat", target_id=target_id, now=now)
             for i, rid in enumerate(ids)]
 
 
