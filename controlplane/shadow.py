@@ -260,32 +260,39 @@ def replay_drafter(drafter, hidden: torch.Tensor, ids: list[int], start: int, *,
         anchors = anchors_all[c : c + chunk]
         h = drafter.forward_train(hidden, tokens, anchors)  # [A, k, H]
         a_hat = drafter.length_head(h).float()
-        logits = drafter.logits(h[:, 1:])  # [A, k-1, Vd]
+        n_avail = torch.clamp(L - 1 - anchors, max=k - 1)
+        a_hats += a_hat.tolist()
         if greedy:
-            drafts = drafter.to_target_ids(logits.argmax(-1))  # [A, k-1]
-        else:
-            q = drafter.expand_probs(process_logits(logits, temperature, top_p))
+            # Position by position, only where every earlier draft matched: a draft after the
+            # first mismatch can never be accepted, so its logits are not computed.
+            acc = torch.zeros(anchors.numel(), dtype=torch.int64)
+            alive = torch.ones(anchors.numel(), dtype=torch.bool)
+            for i in range(k - 1):
+                idx = (alive & (n_avail > i)).nonzero().squeeze(1)
+                if idx.numel() == 0:
+                    break
+                drafts = drafter.to_target_ids(drafter.logits(h[idx, i + 1]).argmax(-1))
+                ok = drafts == tokens[anchors[idx] + 1 + i]
+                acc[idx[ok]] += 1
+                alive[idx[~ok]] = False
+            full_acc += acc.tolist()
+            for i in range(k - 1):
+                rep.accept_den[i] += float((n_avail > i).sum())
+                rep.accept_num[i] += float((acc > i).sum())
+            rep.calib += [(a, x / n) for a, x, n in zip(a_hat.tolist(), acc.tolist(), n_avail.tolist(), strict=True)]
+            continue
+        q = drafter.expand_probs(process_logits(drafter.logits(h[:, 1:]), temperature, top_p))  # [A, k-1, V]
         for j, a in enumerate(anchors.tolist()):
-            n_avail = min(k - 1, L - 1 - a)
-            a_hats.append(float(a_hat[j]))
-            if greedy:
-                real = tokens[a + 1 : a + 1 + n_avail]
-                match = (drafts[j, :n_avail] == real).to(torch.int64)
-                acc = int(torch.cumprod(match, 0).sum())
-                full_acc.append(acc)
-                for i in range(n_avail):
-                    rep.accept_den[i] += 1
-                    rep.accept_num[i] += 1.0 if acc > i else 0.0
-            else:
-                rows = p_all[a - start : a - start + n_avail]  # p of tokens a+1..a+n_avail
-                alpha = torch.minimum(rows, q[j, :n_avail]).sum(-1).clamp(0.0, 1.0)
-                surv = torch.cumprod(alpha, 0)
-                alphas.append(surv)
-                full_acc.append(float(surv.sum()))
-                for i in range(n_avail):
-                    rep.accept_den[i] += 1
-                    rep.accept_num[i] += float(surv[i])
-            rep.calib.append((a_hats[-1], full_acc[-1] / n_avail))
+            n = int(n_avail[j])
+            rows = p_all[a - start : a - start + n]  # p of tokens a+1..a+n
+            alpha = torch.minimum(rows, q[j, :n]).sum(-1).clamp(0.0, 1.0)
+            surv = torch.cumprod(alpha, 0)
+            alphas.append(surv)
+            full_acc.append(float(surv.sum()))
+            for i in range(n):
+                rep.accept_den[i] += 1
+                rep.accept_num[i] += float(surv[i])
+            rep.calib.append((float(a_hat[j]), full_acc[-1] / n))
     k_hat = k_hat_from(torch.tensor(a_hats), k, gamma).tolist()
     rep.tokens = L - 1 - start
     if greedy:
@@ -427,8 +434,13 @@ class ShadowResult:
 
 def evaluate_drafters(target, tokenizer, records: Sequence[FeedbackRecord], candidate: tuple[str, object],
                       champion: tuple[str, object] | None, *, target_id: str, gamma: float, max_tokens: int,
-                      cost=None, now: datetime | None = None) -> ShadowResult:
-    """Replay ``records`` with the candidate (and the champion) and build the report."""
+                      cost=None, now: datetime | None = None, cache: dict | None = None) -> ShadowResult:
+    """Replay ``records`` with the candidate (and the champion) and build the report.
+
+    cache: replays kept across calls, keyed by (record id, drafter name, gamma, max_tokens);
+    the evaluator passes one so the champion is not replayed again for every candidate
+    (a name is a registry version, whose files never change).
+    """
     from dataplane.cost_model import CostModel
 
     cost = cost or CostModel()
@@ -444,12 +456,20 @@ def evaluate_drafters(target, tokenizer, records: Sequence[FeedbackRecord], cand
             continue
         ids, start = enc
         sampled = rec.sampling.temperature > 0
-        hidden, logits = target_pass(target, ids, layers, start if sampled else None)
+        keys = {name: (rec.record_id, name, gamma, max_tokens) for name, _ in drafters}
+        todo = [(name, d) for name, d in drafters if cache is None or keys[name] not in cache]
+        if todo:
+            hidden, logits = target_pass(target, ids, layers, start if sampled else None)
         for name, d in drafters:
-            cols = [layers.index(int(x)) for x in d.config.target_layers]
-            rep = replay_drafter(d, hidden[:, cols], ids, start, gamma=gamma,
-                                 temperature=rec.sampling.temperature, top_p=rec.sampling.top_p,
-                                 target_logits=logits)
+            if (name, d) in todo:
+                cols = [layers.index(int(x)) for x in d.config.target_layers]
+                rep = replay_drafter(d, hidden[:, cols], ids, start, gamma=gamma,
+                                     temperature=rec.sampling.temperature, top_p=rec.sampling.top_p,
+                                     target_logits=logits)
+                if cache is not None:
+                    cache[keys[name]] = rep
+            else:
+                rep = cache[keys[name]]
             aggs[name].add(rec, rep)
         used.append(rec)
         n_sampled += int(sampled)
@@ -555,6 +575,7 @@ class ShadowEvaluator:
         self.retry_s = retry_s
         self._retry_after: dict[str, float] = {}
         self._drafters: dict[tuple[str, str | None], object] = {}
+        self._replays: dict = {}  # champion replays reused by the next candidate's evaluation
         self._lock = threading.Lock()
         self.root = evaluations_dir(settings)
 
@@ -673,7 +694,9 @@ class ShadowEvaluator:
             result = evaluate_drafters(self._target, self._tokenizer, records, (version, cand),
                                        (champion, champ) if champ is not None else None,
                                        target_id=self.registry.target_id, gamma=self.settings.dataplane.gamma,
-                                       max_tokens=max_tokens, cost=self.cost, now=now)
+                                       max_tokens=max_tokens, cost=self.cost, now=now, cache=self._replays)
+            if len(self._replays) > 50_000:
+                self._replays.clear()
             plots = self._store(ev_id, result.report)
         except Exception as e:  # broker, registry, disk: nothing said about the candidate; retried
             return self._failed(version, ev_id, f"{type(e).__name__}: {e}")

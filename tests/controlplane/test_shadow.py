@@ -166,3 +166,15 @@ def test_kafka_window_reads_each_partitions_tail(tansu):
     # Partition 0 ends with ids 24, 26, 28 and the broken record; partition 1 with 19..29 odd.
     assert sorted(got) == sorted([ids[i] for i in (20, 22, 24, 26, 28)] + [ids[i] for i in (19, 21, 23, 25, 27, 29)])
     assert window.invalid == 1
+
+
+def test_champion_replays_are_reused(tiny_target, corpus, trained, untrained):
+    ids = evaluation_ids(4)
+    recs = [record(ids[i], text(p), text(r)) for i, (p, r) in enumerate(corpus[:4])]
+    cache: dict = {}
+    first = evaluate_drafters(tiny_target, IdsTokenizer(), recs, ("2", trained), ("1", untrained),
+                              target_id="tiny-llama", gamma=1.0, max_tokens=256, cache=cache).report
+    assert len(cache) == 8
+    again = evaluate_drafters(tiny_target, IdsTokenizer(), recs, ("3", trained), ("1", untrained),
+                              target_id="tiny-llama", gamma=1.0, max_tokens=256, cache=cache).report
+    assert len(cache) == 12 and again.champion.tau == first.champion.tau and again.candidate.tau == first.candidate.tau
