@@ -169,8 +169,9 @@ class ControlplaneConfig(BaseModel):
     shadow_per_partition: int = 500  # records read back from each partition's tail
     shadow_max_records: int = 2000  # newest held-out records replayed
     # Push desired versions to nodes' POST /admin/drafter (heartbeats converge anyway):
-    # the nodes' admin bearer token from this env var or file; none: no push.
-    node_admin_token_env: str = "ADAFLASH_NODE_ADMIN_TOKEN"
+    # the nodes' admin bearer token from this env var (the Helm chart's adminToken secret),
+    # else this file, else the dataplane's token file; none: no push.
+    node_admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     node_admin_token_file: str = ""
     push_timeout_s: float = 120.0
 

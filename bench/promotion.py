@@ -225,18 +225,32 @@ def _plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", choices=["tiny", "real"], default="tiny",
                     help="tiny random target with the real tokenizer, or the real SmolLM2-135M")
     ap.add_argument("--out", type=Path, default=Path("out/bench-promotion"))
     ap.add_argument("--swaps", type=int, default=20)
     ap.add_argument("--watch-s", type=float, default=3.0)
     ap.add_argument("--records", type=int, default=24)
-    a = ap.parse_args(argv)
+
+
+def _run_args(a: argparse.Namespace, settings=None) -> int:
     result = run(a.target, a.out, a.swaps, a.watch_s, a.records)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def register_bench(bsub: argparse._SubParsersAction) -> None:
+    """``adaflash bench promotion``."""
+    p = bsub.add_parser("promotion", help="promotion latency and swap pause on the embedded control plane")
+    _arguments(p)
+    p.set_defaults(func=_run_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _arguments(ap)
+    return _run_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -115,10 +115,16 @@ class PushResult:
 
 
 def node_admin_token(settings: Settings) -> str | None:
+    """The nodes' admin bearer token: env var, configured file, then the embedded node's token file."""
     cfg = settings.controlplane
     token = os.environ.get(cfg.node_admin_token_env, "").strip() if cfg.node_admin_token_env else ""
-    if not token and cfg.node_admin_token_file and Path(cfg.node_admin_token_file).is_file():
-        token = Path(cfg.node_admin_token_file).read_text().strip()
+    files = [cfg.node_admin_token_file, settings.dataplane.admin_token_file,
+             str(Path(settings.home) / "dataplane-admin-token")]
+    for f in files:
+        if token:
+            break
+        if f and Path(f).is_file():
+            token = Path(f).read_text().strip()
     return token or None
 
 
