@@ -189,3 +189,20 @@ def test_lease_keeps_a_second_reconciler_out_until_it_expires(sessions, fleet3, 
     with sessions() as s:
         entry = s.scalars(select(AuditEntry).where(AuditEntry.action == "promotion.resume")).one()
         assert entry.before == {"lease_owner": "r1"} and entry.after["state"] == "canary"
+
+
+def test_rollout_steps_are_traced(sessions, settings):
+    from adaflash.telemetry import CONTROLPLANE, Spans, reset_telemetry, setup_telemetry
+
+    tel_settings = settings.model_copy(deep=True)
+    tel_settings.telemetry.exporter = "memory"
+    tel = setup_telemetry(CONTROLPLANE, tel_settings)
+    try:
+        clock = Clock()
+        approve(sessions, "1", None, clock)
+        RolloutReconciler(sessions, policy(), settings, clock=clock).run_once()
+        spans = [s for s in tel.finished_spans() if s.name == Spans.ROLLOUT]
+        assert spans and spans[0].attributes["version"] == "1" and spans[0].attributes["decision"].startswith(
+            "promotion")
+    finally:
+        reset_telemetry()
