@@ -162,6 +162,22 @@ class ControlplaneConfig(BaseModel):
     evaluations_dir: str = ""  # empty: $ADAFLASH_HOME/evaluations (reports and plots)
     heartbeat_timeout_s: float = 30.0  # a node silent this long is reported stale
     page_limit_max: int = 500  # largest page any list endpoint returns
+    # Workers of `adaflash controlplane`: discovery, shadow evaluation, gates, rollout, reaper.
+    workers: bool = True
+    worker_interval_s: float = 2.0  # rollout / discovery tick
+    shadow_interval_s: float = 10.0  # how often new candidates are looked for
+    rollout_lease_s: float = 30.0  # a reconciler's hold on a promotion; another takes over after it
+    # Shadow-evaluation window: the feedback topic's tail (kafka), a JSONL file, or nothing.
+    feedback_source: Literal["kafka", "jsonl", "none"] = "kafka"
+    feedback_jsonl: str = ""
+    shadow_per_partition: int = 500  # records read back from each partition's tail
+    shadow_max_records: int = 2000  # newest held-out records replayed
+    # Push desired versions to nodes' POST /admin/drafter (heartbeats converge anyway):
+    # the nodes' admin bearer token from this env var (the Helm chart's adminToken secret),
+    # else this file, else the dataplane's token file; none: no push.
+    node_admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
+    node_admin_token_file: str = ""
+    push_timeout_s: float = 120.0
 
 
 class TelemetryConfig(BaseModel):

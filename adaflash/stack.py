@@ -356,6 +356,9 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
         "PYTHONUNBUFFERED": "1",
         "TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS": "",
         "HF_HUB_OFFLINE": "1",
+        # the node's admin endpoints take the control plane's admin key, so the control
+        # plane (pushing drafters) and operators (runbooks) use one token
+        "ADAFLASH_DATAPLANE__ADMIN_TOKEN_FILE": str(admin_token),
     }
     if mlflow_uri:
         base_env["ADAFLASH_CONTROLPLANE__MLFLOW_TRACKING_URI"] = mlflow_uri
@@ -389,8 +392,7 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
             env, lambda: http_ok(f"{cp_url}/healthz"), port, cp_url))
     if "dataplane" in run:
         port = ports["dataplane"]
-        env = {"ADAFLASH_DATAPLANE__PORT": str(port), "ADAFLASH_DATAPLANE__NODE_ID": sc.node_id,
-               "ADAFLASH_DATAPLANE__ADMIN_TOKEN_FILE": str(admin_token)}
+        env = {"ADAFLASH_DATAPLANE__PORT": str(port), "ADAFLASH_DATAPLANE__NODE_ID": sc.node_id}
         before = None
         if cp_url:
             env.update({"ADAFLASH_DATAPLANE__CONTROLPLANE_URL": cp_url,

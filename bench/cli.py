@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         reg_feedback(bsub)
     except ImportError:
         pass
+    try:
+        from bench.promotion import register_bench as reg_promotion
+
+        reg_promotion(bsub)
+    except ImportError:
+        pass
 
 
 def throughput(args, settings) -> int:

@@ -16,7 +16,6 @@ from sqlalchemy.orm import Session
 
 from adaflash.contracts import ALIAS_CHAMPION, ALIAS_PREVIOUS
 from adaflash.contracts.evaluation import EvaluationReport
-from adaflash.telemetry import Spans
 from controlplane import audit
 from controlplane.db import utcnow
 from controlplane.errors import Conflict, NotFound
@@ -33,7 +32,6 @@ from controlplane.states import (
     VersionState,
     can_transition,
 )
-from controlplane.tracing import gate_outcome, promotion_outcome, traced
 
 SYSTEM_GATES = "system:gates"
 SYSTEM_POLICY = "system:policy"
@@ -162,7 +160,6 @@ def complete_evaluation(session: Session, evaluation_id: int, report: Mapping[st
     return ev
 
 
-@traced(Spans.GATE, gate_outcome)
 def apply_gates(session: Session, version: str, evaluation_id: int | None, policy: GatePolicy, *,
                 now: datetime, default_ttl_days: float, actor: str = SYSTEM_GATES) -> list[GateResult]:
     """Judge an evaluated version: store each gate result, then gate_failed or awaiting_approval
@@ -240,7 +237,6 @@ def expire_candidates(session: Session, now: datetime | None = None) -> list[str
     return [v.version for v in due]
 
 
-@traced(Spans.ROLLOUT, promotion_outcome)
 def rollback(session: Session, version: str, *, actor: str, reason: str, now: datetime | None = None) -> Promotion:
     """Take ``version`` out of service in one call.
 
@@ -344,7 +340,6 @@ def _set_desired(session: Session, node_ids: list[str], version: str | None, *, 
                  before={"desired": before}, after={"desired": {n.node_id: version for n in nodes}}, at=now)
 
 
-@traced(Spans.ROLLOUT, promotion_outcome)
 def begin_canary(session: Session, p: Promotion, canary_nodes: list[str], *, actor: str,
                  now: datetime | None = None) -> Promotion:
     """pending -> canary: the chosen canary nodes get the candidate as their desired version."""
@@ -355,7 +350,6 @@ def begin_canary(session: Session, p: Promotion, canary_nodes: list[str], *, act
     return p
 
 
-@traced(Spans.ROLLOUT, promotion_outcome)
 def begin_watch(session: Session, p: Promotion, watch_s: float, *, actor: str, now: datetime | None = None):
     """canary -> watching: the canaries serve the candidate; live metrics are judged until watch_until."""
     now = now or utcnow()
@@ -363,7 +357,6 @@ def begin_watch(session: Session, p: Promotion, watch_s: float, *, actor: str, n
                              watch_until=now + timedelta(seconds=watch_s))
 
 
-@traced(Spans.ROLLOUT, promotion_outcome)
 def begin_rollout(session: Session, p: Promotion, *, actor: str, now: datetime | None = None) -> Promotion:
     """pending | watching -> rolling_out: every node gets the candidate as its desired version
     (straight from pending when the fleet has no canary node)."""
@@ -376,7 +369,6 @@ def begin_rollout(session: Session, p: Promotion, *, actor: str, now: datetime |
     return p
 
 
-@traced(Spans.ROLLOUT, promotion_outcome)
 def complete_promotion(session: Session, p: Promotion, *, actor: str, now: datetime | None = None) -> Promotion:
     """rolling_out -> completed (the candidate is champion, the old champion `previous`), or
     rolling_back -> completed for an operator rollback whose nodes converged."""

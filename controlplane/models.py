@@ -79,6 +79,7 @@ class Node(Base):
     pinned_version: Mapped[str | None] = mapped_column(ForeignKey("versions.version"))
     served_version: Mapped[str | None] = mapped_column(String(VERSION_LEN))
     last_heartbeat_at: Mapped[datetime | None]
+    heartbeats: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # ever received
     live_tau: Mapped[float | None] = mapped_column(Float)
     live_tps: Mapped[float | None] = mapped_column(Float)
     error_rate: Mapped[float | None] = mapped_column(Float)
@@ -137,6 +138,8 @@ class Promotion(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # times a reconciler entered the state
     lease_owner: Mapped[str | None] = mapped_column(String(128))  # reconciler holding it
     lease_until: Mapped[datetime | None]
+    # Live metrics before the rollout acted, and the canaries' heartbeat counts when watching began.
+    baseline: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 

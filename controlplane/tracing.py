@@ -1,27 +1,19 @@
-"""OpenTelemetry for the control plane: a span per API request and per worker action.
+"""OpenTelemetry for the control plane's admin API: a server span per request.
 
-- :class:`TracingMiddleware` (pure ASGI) opens a server span ``<METHOD> <route>`` around
-  every request (continuing the caller's trace when it sends a ``traceparent``).
-- :func:`traced` decorates a lifecycle function with a span (``gate``, ``rollout``) whose
-  attributes name the version and the outcome.
-- :func:`worker_span` is the context manager the background workers use (``shadow_evaluation``
-  and the others), optionally continuing a trace from a stored traceparent.
-
-All of it is a no-op until ``setup_telemetry(CONTROLPLANE, settings)`` ran in the process.
+:class:`TracingMiddleware` (pure ASGI) opens a span ``<METHOD> <route>`` (route template
+with its router prefixes) around every request, continuing the caller's trace when it
+sends a ``traceparent``. The workers' spans (``shadow_evaluation``, ``gate``,
+``rollout``) are made where the work happens (controlplane/shadow.py, rollout.py).
+A no-op until ``setup_telemetry(CONTROLPLANE, settings)`` ran in the process.
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from adaflash.telemetry import CONTROLPLANE, SpanAttrs, current_telemetry, extract_context, tracer
+from adaflash.telemetry import CONTROLPLANE, current_telemetry, extract_context, tracer
 
 _tracer = tracer("adaflash.controlplane", service=CONTROLPLANE)
 
@@ -78,44 +70,3 @@ def _route(scope) -> str | None:
         if not route.startswith("/" + prefix + "/"):
             route = f"/{prefix}{route}"
     return route
-
-
-@contextlib.contextmanager
-def worker_span(name: str, traceparent: str | None = None, **attributes: Any) -> Iterator[trace.Span]:
-    """A span for a background action; ``traceparent`` continues an earlier trace."""
-    ctx = extract_context(traceparent) if traceparent else None
-    attrs = {k: v for k, v in attributes.items() if v is not None}
-    with _tracer.start_as_current_span(name, context=ctx, attributes=attrs) as span:
-        yield span
-
-
-def traced(name: str, outcome: Callable[[Any], Mapping[str, Any]] | None = None):
-    """Decorate ``fn(session, version_or_promotion, ...)`` with a span named ``name``;
-    ``outcome(result)`` adds attributes from the result (e.g. the gate decision)."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            target = args[1] if len(args) > 1 else kwargs.get("version") or kwargs.get("p")
-            version = getattr(target, "version", target)
-            with _tracer.start_as_current_span(name, attributes={SpanAttrs.VERSION: str(version),
-                                                                 "action": fn.__name__}) as span:
-                result = fn(*args, **kwargs)
-                if outcome is not None:
-                    with contextlib.suppress(Exception):
-                        span.set_attributes({k: v for k, v in outcome(result).items() if v is not None})
-                return result
-
-        return inner
-
-    return wrap
-
-
-def gate_outcome(results) -> dict[str, Any]:
-    failed = [r.name for r in results if not r.passed]
-    return {SpanAttrs.DECISION: "failed" if failed else "passed", "failed_gates": ",".join(failed) or None,
-            "gates": len(results)}
-
-
-def promotion_outcome(p) -> dict[str, Any]:
-    return {SpanAttrs.DECISION: getattr(p, "state", None), "kind": getattr(p, "kind", None)}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from adaflash.contracts.feedback import FeedbackRecord
+from adaflash.contracts.feedback import FeedbackRecord, is_evaluation_record
 from adaflash.contracts.tenancy import TenantPolicy
 from learner.supervision import Tokenized
 
@@ -96,7 +96,9 @@ class ReplayBuffer:
         return max(1, int(self.policy(tenant_id).share_cap * self.capacity))
 
     def usable(self, record: FeedbackRecord) -> str | None:
-        """None if the record may be trained on now, else why not ("expired", "opt_out")."""
+        """None if the record may be trained on now, else why not ("held_out", "expired", "opt_out")."""
+        if is_evaluation_record(record.record_id):  # reserved for shadow evaluation, never trained on
+            return "held_out"
         p = self.policy(record.tenant_id)
         if p.opt_out:
             return "opt_out"

@@ -64,3 +64,13 @@ def test_same_record_id_is_held_once():
     it = _item("a", 0)
     assert buf.offer(it) == "buffered"
     assert buf.offer(Item(it.tok, 0, 1)) == "duplicate"
+
+
+def test_evaluation_records_are_never_buffered():
+    from adaflash.contracts.feedback import is_evaluation_record
+
+    rid = next(f"r{i}" for i in range(1000) if is_evaluation_record(f"r{i}"))
+    buf, _ = _buffer(StaticPolicies())
+    rec = make_record(record_id=rid, created_at=NOW)
+    assert buf.offer(Item(Tokenized(rec, [1, 2, 3], 1), 0, 0, arrived=0.0)) == "held_out"
+    assert buf.dropped["held_out"] == 1

@@ -66,7 +66,20 @@ def make_record(tenant: str = "acme", prompt: str = "What is two plus two?", res
                 prompt_text=prompt, response_text=response,
                 stats={"tau_mean": 1.5, "verify_tokens": 10, "draft_ms": 1.0, "verify_ms": 2.0})
     base.update(kw)
+    if "record_id" not in kw:  # a training record: never one of the ids reserved for evaluation
+        base["record_id"] = training_record_id()
     return FeedbackRecord.model_validate(base)
+
+
+def training_record_id() -> str:
+    import uuid
+
+    from adaflash.contracts.feedback import is_evaluation_record
+
+    while True:
+        rid = uuid.uuid4().hex
+        if not is_evaluation_record(rid):
+            return rid
 
 
 def produce(bootstrap: str, topic: str, values: list[tuple[str, bytes]]) -> None:
