@@ -6,17 +6,13 @@ Real Tansu broker, MLflow server (SQLite + artifacts), control plane on SQLite, 
 a tiny target that shares the real tokenizer (feedback scrubbed by the real Presidio
 scrubber process) and a learner. Each hop is its own test, in order, sharing one stack.
 
-Hops that need the control plane's background workers (discovery of registry versions,
-shadow evaluation, gates, rollout) wait for those workers; where this build of the
-control plane has none, they are skipped with the reason, and the last hop still proves
-the node converges on the learner's candidate through the control plane (the candidate
-is recorded with the control plane's own discovery function and pinned through the
-admin API).
+The control plane runs a lenient test gate policy (approval auto, short canary watch):
+this test checks that every hop happens, not how good a drafter trained on a random tiny
+target is. Every learner step publishes a candidate; one of them goes all the way.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 
@@ -27,20 +23,31 @@ from tests.stack.conftest import adaflash, log_tails, status, tiny_env
 
 pytestmark = pytest.mark.services
 
-N_REQUESTS = 8
+N_REQUESTS = 60  # about one record in ten is held out for shadow evaluation
 TENANTS = ("acme", "globex")
-# Modules a control plane with background workers has (any one of them).
-WORKER_MODULES = ("controlplane.workers", "controlplane.worker", "controlplane.evaluation", "controlplane.shadow")
-
-
-def workers_available() -> str | None:
-    for m in WORKER_MODULES:
-        try:
-            if importlib.util.find_spec(m) is not None:
-                return m
-        except ModuleNotFoundError:
-            continue
-    return None
+POLICY = """
+policy_version: "test-loop"
+gates:
+  min_tau_gain: -1.0
+  max_tenant_regression: 1.0
+  max_domain_regression: 1.0
+  min_slice_records: 100000
+  calibration_mae_max: 1.0
+  min_eval_records: 1
+  require_lineage: true
+  training_data_ttl: true
+  candidate_ttl_hours: 72
+approval: auto
+rollout:
+  canary_fraction: 1.0
+  watch_window_s: 1
+  max_live_tau_regression: 1.0
+  max_live_tps_regression: 1.0
+  max_live_error_rate: 1.0
+  min_watch_heartbeats: 1
+  converge_timeout_s: 120
+  post_promotion_watch_s: 0
+"""
 
 
 def wait(pred, timeout: float, what: str, home=None):
@@ -62,7 +69,8 @@ class Loop:
         self.ep = st["endpoints"]
         self.admin = {"Authorization": f"Bearer {(home / 'admin-token').read_text().strip()}"}
         self.request_ids: list[str] = []
-        self.candidate: str | None = None
+        self.candidates: set[str] = set()
+        self.champion: str | None = None
         self.target_id: str | None = None
 
     def api(self, method: str, path: str, **kw):
@@ -74,9 +82,12 @@ def loop(tmp_path_factory, tiny_vocab_target, tiny_bundle):
     from dataplane.target_cache import target_identity
 
     home = tmp_path_factory.mktemp("loop-home")
-    env = tiny_env(home, tiny_vocab_target, tiny_bundle,
+    policy = home / "test-policy.yaml"
+    policy.write_text(POLICY)
+    env = tiny_env(home, tiny_vocab_target, tiny_bundle, ADAFLASH_STACK__GATE_POLICY=str(policy),
+                   ADAFLASH_CONTROLPLANE__WORKER_INTERVAL_S="1", ADAFLASH_CONTROLPLANE__SHADOW_INTERVAL_S="3",
                    ADAFLASH_MODEL__TARGET_ID=target_identity(tiny_vocab_target)["id"],
-                   ADAFLASH_LEARNER__BUFFER_SIZE="4", ADAFLASH_LEARNER__MAX_WAIT_S="2",
+                   ADAFLASH_LEARNER__BUFFER_SIZE="16", ADAFLASH_LEARNER__MAX_WAIT_S="5",
                    ADAFLASH_LEARNER__ANCHORS_PER_RECORD="2", ADAFLASH_LEARNER__EPOCHS="1",
                    ADAFLASH_LEARNER__PUBLISH_EVERY="1", ADAFLASH_LEARNER__MAX_RECORD_TOKENS="400",
                    ADAFLASH_LEARNER__POLL_TIMEOUT_MS="200", ADAFLASH_GOVERNANCE__POLICY_TTL_S="1")
@@ -124,7 +135,7 @@ def test_hop1_traffic_is_served_by_the_starting_drafter(loop):
             r = c.post(f"{loop.ep['dataplane_url']}/v1/chat/completions", headers={"X-Tenant-ID": tenant},
                        json={"messages": [{"role": "user", "content": f"Question {i}: why is the sky blue? "
                                                                         f"My email is jane{i}@example.com"}],
-                             "max_tokens": 24, "ignore_eos": True, "domain": "chat"})
+                             "max_tokens": 24, "ignore_eos": True, "domain": ("chat", "code")[i % 2]})
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["usage"]["speculative"]["drafter_version"] == "v0"
@@ -176,90 +187,80 @@ def test_hop3_learner_publishes_a_candidate(loop):
             return None
 
     versions = wait(published, 300, "a candidate in the MLflow registry", loop.home)
-    mv = max(versions, key=lambda v: int(v.version))
-    lineage = json.loads(mv.tags["adaflash.lineage"])
-    assert lineage["topic"] == "adaflash.feedback.v1" and set(lineage["tenants"]) <= set(TENANTS)
-    assert lineage["parent_version"] in (None, "v0") or lineage["parent_version"].isdigit()
-    loop.candidate = str(mv.version)
+    for mv in versions:
+        lineage = json.loads(mv.tags["adaflash.lineage"])
+        assert lineage["topic"] == "adaflash.feedback.v1" and set(lineage["tenants"]) <= set(TENANTS) | {"warmup"}
+        assert lineage["offsets"] and lineage["window_start"]
+        loop.candidates.add(str(mv.version))
 
 
-def _version(loop, v):
-    r = loop.api("GET", f"/versions/{v}")
-    return r.json() if r.status_code == 200 else None
+def _versions(loop) -> dict[str, dict]:
+    return {v["version"]: v for v in loop.api("GET", "/versions").json()}
 
 
-def test_hop4_control_plane_records_the_candidate(loop):
-    assert loop.candidate, "no candidate from the learner"
-    if not workers_available():
-        pytest.skip("not possible yet: this control plane has no discovery worker "
-                    f"(none of {', '.join(WORKER_MODULES)}); the last hop records the candidate itself")
-    row = wait(lambda: _version(loop, loop.candidate), 120, f"version {loop.candidate} in the control plane",
-               loop.home)
-    assert row["source_uri"] and row["manifest_sha256"]
+def _detail(loop, v) -> dict:
+    return loop.api("GET", f"/versions/{v}").json()
 
 
-def test_hop5_shadow_evaluation(loop):
-    if not workers_available():
-        pytest.skip("not possible yet: no shadow-evaluation worker in this control plane")
-    row = wait(lambda: (_version(loop, loop.candidate) or {}).get("evaluation_ids"), 300,
-               f"an evaluation of {loop.candidate}", loop.home)
-    ev = loop.api("GET", f"/evaluations/{row[-1]}")
-    assert ev.status_code == 200 and ev.json()
+def test_hop4_control_plane_discovers_the_candidates(loop):
+    assert loop.candidates, "no candidate from the learner"
+    found = wait(lambda: [v for k, v in _versions(loop).items() if k in loop.candidates], 120,
+                 "the learner's candidates in the control plane", loop.home)
+    for v in found:
+        assert v["source_uri"] and v["manifest_sha256"] and v["lineage"]["topic"] == "adaflash.feedback.v1"
 
 
-def test_hop6_gate_decision(loop):
-    if not workers_available():
-        pytest.skip("not possible yet: no worker applies the gates in this control plane")
-    row = wait(lambda: (_version(loop, loop.candidate) or {}).get("gate_results"), 300,
-               f"gate results of {loop.candidate}", loop.home)
-    assert {g["policy_version"] for g in row} == {"2026.1-demo"}
+def test_hop5_shadow_evaluation_replays_held_out_feedback(loop):
+    def evaluated():
+        evs = loop.api("GET", "/evaluations").json()
+        return [e for e in evs if e["status"] == "completed" and e["version"] in _versions(loop)]
+
+    evs = wait(evaluated, 300, "a completed shadow evaluation", loop.home)
+    rep = evs[0]["report"]
+    assert rep["n_records"] >= 1 and rep["candidate"]["tau"] >= 1.0
+    assert set(rep["per_tenant"]) <= set(TENANTS) | {"warmup"}
 
 
-def test_hop7_promotion(loop):
-    if not workers_available():
-        pytest.skip("not possible yet: no rollout worker in this control plane")
+def test_hop6_gates_decide(loop):
+    def judged():
+        out = {}
+        for v in _versions(loop):
+            gates = _detail(loop, v).get("gate_results") or []
+            if gates:
+                out[v] = gates
+        return out
 
+    judged_versions = wait(judged, 300, "gate results", loop.home)
+    for gates in judged_versions.values():
+        assert {g["policy_version"] for g in gates} == {"test-loop"}
+        assert {"min_eval_records", "min_tau_gain", "require_lineage", "candidate_ttl"} <= {g["name"] for g in gates}
+
+
+def test_hop7_promotion_makes_a_candidate_champion(loop):
     def champion():
-        v = _version(loop, loop.candidate) or {}
-        if v.get("state") in ("gate_failed", "rejected", "rolled_back", "expired"):
-            raise AssertionError(f"candidate {loop.candidate} ended {v['state']}: {v.get('state_reason')}")
-        return v if v.get("state") == "champion" else None
+        champs = [v for v in _versions(loop).values() if v["state"] == "champion"]
+        return champs[0] if champs else None
 
-    v = wait(champion, 300, f"{loop.candidate} to become champion", loop.home)
-    assert "champion" in v["aliases"]
+    v = wait(champion, 300, "a candidate to become champion", loop.home)
+    assert "champion" in v["aliases"] and v["version"] in loop.candidates | set(_versions(loop))
+    detail = _detail(loop, v["version"])
+    assert [a for a in detail["approvals"] if a["decision"] == "approved"]  # by the policy (auto)
+    assert [p for p in detail["promotions"] if p["state"] == "completed"]
+    loop.champion = v["version"]
 
 
 def test_hop8_node_serves_the_new_version(loop):
-    assert loop.candidate, "no candidate from the learner"
-    how = "promotion"
-    if not workers_available():
-        # Stand in for the missing discovery worker with the control plane's own function,
-        # then pin the node through the admin API: the reconcile path, MLflow download and
-        # sha256 checks of the node are the real ones.
-        from adaflash.config import load_config
-        from controlplane.db import database_url, make_engine, make_sessionmaker, session_scope
-        from controlplane.discovery import sync_versions
-        from controlplane.gates import load_policy
-        from controlplane.registry import Registry
-
-        s = load_config(home=loop.home, controlplane={"mlflow_tracking_uri": loop.ep["mlflow_tracking_uri"]},
-                        model={"target_id": loop.target_id})
-        engine = make_engine(database_url(s))
-        try:
-            with session_scope(make_sessionmaker(engine)) as session:
-                sync_versions(session, Registry.from_settings(s), load_policy())
-        finally:
-            engine.dispose()
-        r = loop.api("POST", f"/versions/{loop.candidate}/pin", json={"reason": "closed-loop test: no rollout worker"})
-        assert r.status_code == 200, r.text
-        how = "pin"
+    assert loop.champion, "no champion"
 
     def served():
         n = [x for x in loop.api("GET", "/nodes").json() if x["node_id"] == "node-1"]
-        return n[0] if n and n[0]["served_version"] == loop.candidate else None
+        return n[0] if n and n[0]["served_version"] == loop.champion else None
 
-    node = wait(served, 120, f"the node to serve {loop.candidate} (via {how})", loop.home)
+    node = wait(served, 120, f"the node to serve {loop.champion}", loop.home)
     assert node["status"] == "ready"
     r = httpx.post(f"{loop.ep['dataplane_url']}/v1/completions", json={"prompt": "Hello", "max_tokens": 8},
                    headers={"X-Tenant-ID": "acme"}, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["speculative"]["drafter_version"] == loop.candidate
+    assert r.status_code == 200 and r.json()["usage"]["speculative"]["drafter_version"] == loop.champion
+    # and the audit trail of the control plane is intact
+    chain = loop.api("GET", "/audit/verify")
+    assert chain.status_code == 200 and chain.json()["ok"]
