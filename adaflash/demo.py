@@ -313,6 +313,7 @@ class Demo:
             stop.set()
             poller.join(timeout=5)
             live.update(self.view())
+        console.print()
         return self.report(console, before, after, ev)
 
     def _promoted(self) -> bool:

@@ -90,7 +90,7 @@ def render_table(state: dict):
     now = time.time()
     t = Table(title=f"AdaFlash stack: {state.get('phase', '?')}", title_justify="left", expand=False)
     for col in ("part", "state", "pid", "endpoint", "restarts", "up", "detail"):
-        t.add_column(col, no_wrap=col not in ("detail",))
+        t.add_column(col, no_wrap=True, overflow="ellipsis", min_width=8 if col == "detail" else None)
     for name, p in (state.get("processes") or {}).items():
         st = p.get("state", "?")
         up = ""
