@@ -20,7 +20,7 @@ from dataplane.node import STARTER_DIR
 from dataplane.sequence import SamplingParams, Sequence
 
 pytestmark = pytest.mark.realmodel
-MAX_TOKENS = 20
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
