@@ -51,6 +51,7 @@ def serve(args, settings) -> int:
     if args.no_feedback:
         settings.governance = settings.governance.model_copy(update={"feedback_enabled": False})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
     try:
         node = Node(settings)
     except DrafterLoadError as e:

@@ -353,6 +353,7 @@ def build_emitter(settings: Settings, *, bootstrap: str | None = None, policy: P
         from governance.scrub_process import ProcessScrubber
 
         scrubber = ProcessScrubber(nice=gov.scrub_nice, score_threshold=gov.pii_score_threshold)
+        scrubber.warm()
         closeables.append(scrubber)
     emitter = FeedbackEmitter(producer, scrubber, policy, gov=gov, usage=usage, registry=registry, owns_sink=True,
                               closeables=closeables)

@@ -54,6 +54,20 @@ class ProcessScrubber:
         self._proc = None
         self._conn = None
 
+    def warm(self) -> threading.Thread:
+        """Start the child in the background so the first records need not wait for spaCy."""
+
+        def start():
+            try:
+                with self._lock:
+                    self._ensure()
+            except ScrubError as e:
+                log.warning("scrubber warm-up failed: %s", e)
+
+        t = threading.Thread(target=start, name="adaflash-scrubber-warmup", daemon=True)
+        t.start()
+        return t
+
     def _ensure(self) -> None:
         if self._proc is not None and self._proc.is_alive():
             return
