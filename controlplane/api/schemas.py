@@ -215,7 +215,7 @@ class DeletionAckIn(Input):
 
     component: Literal["node", "learner"]
     instance: NodeId  # the node id, or the learner's learner_id
-    purged: dict[Annotated[str, Field(pattern=ID_PATTERN)], Annotated[int, Field(ge=0)]] = Field(
+    purged: dict[Annotated[str, Field(pattern=ID_PATTERN)], Annotated[int, Strict(), Field(ge=0)]] = Field(
         default_factory=dict, max_length=64)
     detail: dict[Annotated[str, Field(pattern=ID_PATTERN)], Any] = Field(default_factory=dict, max_length=64)
 
