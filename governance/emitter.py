@@ -304,14 +304,16 @@ class FeedbackEmitter:
         spool = getattr(self.sink, "spool", None)
         if spool is not None and hasattr(spool, "refuse_before"):
             spool.refuse_before(tenant_id, before)
-        self.purge_tenant(tenant_id)  # nothing queued reaches a worker any more
+        queued = self.purge_tenant(tenant_id)  # nothing queued reaches a worker any more
         deadline = time.monotonic() + (wait_s if wait_s is not None else self.scrub_timeout_s + 5.0)
         while time.monotonic() < deadline:
             with self._lock:
                 if self._active[tenant_id] <= 0:
                     break
             time.sleep(0.02)
-        return purge(tenant_id, self.stores())
+        report = purge(tenant_id, self.stores())
+        report.purged[self.name] = report.purged.get(self.name, 0) + queued
+        return report
 
     def purge_tenant(self, tenant_id: str) -> int:
         """Drop the tenant's records still waiting in the queue; returns how many."""

@@ -320,3 +320,56 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
 
     report = json.loads((cp.settings.home / "evaluations" / str(eid) / "report.json").read_text())
     assert list(report["per_tenant"]) == [STAY]
+
+
+def test_node_purge_catches_records_on_their_way(tmp_path):
+    """Queued records are purged; one a worker is scrubbing during the purge is dropped
+    after it; the spool refuses the tenant's older records from then on."""
+    from governance.emitter import FeedbackEmitter
+    from governance.pii import ScrubbedRecord
+    from governance.spool import Spool
+
+    gate = threading.Event()
+
+    class Slow:
+        def scrub_record(self, record):
+            gate.wait(10)
+            return ScrubbedRecord(record)
+
+    spool = Spool(tmp_path / "s.db", 100)
+
+    class Sink:
+        name = "producer_queue"
+
+        def __init__(self):
+            self.spool, self.sent = spool, []
+
+        def send(self, r, tp=None):
+            self.sent.append(r.tenant_id)
+            return spool.append(r, tp)
+
+        def purge_tenant(self, tenant_id):
+            return 0
+
+    sink = Sink()
+    em = FeedbackEmitter(sink, Slow(), workers=1, scrub_timeout_s=30)
+    records = [_rec(GONE, "a"), _rec(GONE, "b"), _rec(STAY, "c"), _rec(GONE, "d")]
+    cutoff = datetime.now(UTC)  # the request: after these records were made
+    for r in records:
+        em.submit(r)
+    time.sleep(0.2)  # the worker holds the first one in its scrub
+    out = {}
+    t = threading.Thread(target=lambda: out.update(rep=em.purge_stores(GONE, cutoff, wait_s=10)))
+    t.start()
+    time.sleep(0.2)
+    gate.set()
+    t.join(15)
+    assert em.drain(10)
+    rep = out["rep"]
+    assert rep.purged == {"emitter_queue": 2, "producer_queue": 0, "spool": 0} and not rep.failed
+    assert sink.sent == [STAY]
+    assert em.counters()["dropped"][GONE] == {"deleted": 3}
+    assert not spool.append(ScrubbedRecord(_rec(GONE, "late", created_at=cutoff - timedelta(seconds=1))))
+    assert spool.append(ScrubbedRecord(_rec(GONE, "new", created_at=cutoff + timedelta(seconds=1))))
+    em.close()
+    spool.close()
