@@ -146,6 +146,14 @@ class LearnerConfig(BaseModel):
     supervise_chunk_tokens: int = 4096  # target tokens per packed supervision forward
     keep_checkpoints: int = 2
     seed: int = 0
+    # Deletion requests: the learner polls the control plane for them (empty URL: it does
+    # not, and deletions wait for its ack). Its API key (role learner) comes from this env
+    # var, else this file. learner_id names it in acknowledgements.
+    controlplane_url: str = ""
+    controlplane_token_env: str = "ADAFLASH_LEARNER_TOKEN"
+    controlplane_token_file: str = ""
+    learner_id: str = "learner"
+    deletion_poll_s: float = 10.0
 
 
 class ControlplaneConfig(BaseModel):
@@ -178,6 +186,9 @@ class ControlplaneConfig(BaseModel):
     node_admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     node_admin_token_file: str = ""
     push_timeout_s: float = 120.0
+    # Learners whose acknowledgement a deletion request waits for (learner.learner_id of
+    # each); with every known node and the control plane itself.
+    deletion_learners: list[str] = Field(default_factory=lambda: ["learner"])
 
 
 class TelemetryConfig(BaseModel):

@@ -78,7 +78,7 @@ from adaflash.contracts.evaluation import (
 )
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord, is_evaluation_record
 from adaflash.telemetry import CONTROLPLANE, SpanAttrs, Spans, tracer
-from controlplane import lifecycle
+from controlplane import deletion, lifecycle
 from controlplane.api.routes.evaluations import evaluations_dir
 from controlplane.db import session_scope, utcnow
 from controlplane.gates import GatePolicy
@@ -185,12 +185,20 @@ def window_from_settings(settings: Settings) -> FeedbackWindow:
 
 def select_window(records: Iterable[FeedbackRecord], *, now: datetime, target_id: str | None,
                   tenant_ttl_days: Mapping[str, float], default_ttl_days: float, opted_out: Iterable[str] = (),
-                  max_records: int = 2000) -> list[FeedbackRecord]:
-    """Held-out records inside their tenant's TTL, newest ``max_records`` first, deduplicated."""
+                  max_records: int = 2000, deleted_before: Mapping[str, datetime] | None = None
+                  ) -> list[FeedbackRecord]:
+    """Held-out records inside their tenant's TTL, newest ``max_records`` first, deduplicated.
+
+    deleted_before: tenant -> time of its deletion request; records created up to it are
+    refused (Kafka keeps them until retention passes, the platform must not use them).
+    """
     opted = set(opted_out)
+    deleted = dict(deleted_before or {})
     seen: dict[str, FeedbackRecord] = {}
     for r in records:
         if r.record_id in seen or not is_evaluation_record(r.record_id) or r.tenant_id in opted:
+            continue
+        if r.tenant_id in deleted and r.created_at <= deleted[r.tenant_id]:
             continue
         if target_id is not None and r.target_model.id != target_id:
             continue
@@ -576,6 +584,7 @@ class ShadowEvaluator:
         self._retry_after: dict[str, float] = {}
         self._drafters: dict[tuple[str, str | None], object] = {}
         self._replays: dict = {}  # champion replays reused by the next candidate's evaluation
+        self._deleted: dict = {}  # deletion cut-offs the cache was built under
         self._lock = threading.Lock()
         self.root = evaluations_dir(settings)
 
@@ -678,6 +687,11 @@ class ShadowEvaluator:
             champ_sha = s.get(Version, champion).manifest_sha256 if champion else None
             ttls = {t.tenant_id: t.ttl_days for t in s.scalars(select(Tenant))}
             opted = [t.tenant_id for t in s.scalars(select(Tenant).where(Tenant.opt_out.is_(True)))]
+            deleted = deletion.deleted_before(s)
+        if deleted != self._deleted:
+            # A tenant was deleted: replays cached from its records go (the cache is keyed by record id).
+            self._replays.clear()
+            self._deleted = deleted
         try:
             self._ensure_target()
             try:
@@ -689,7 +703,8 @@ class ShadowEvaluator:
             records = select_window(self.window.read(), now=now, target_id=self.registry.target_id,
                                     tenant_ttl_days=ttls,
                                     default_ttl_days=self.settings.governance.default_ttl_days, opted_out=opted,
-                                    max_records=self.settings.controlplane.shadow_max_records)
+                                    max_records=self.settings.controlplane.shadow_max_records,
+                                    deleted_before=deleted)
             max_tokens = min(self.settings.model.max_model_len, self.settings.learner.max_record_tokens)
             result = evaluate_drafters(self._target, self._tokenizer, records, (version, cand),
                                        (champion, champ) if champ is not None else None,

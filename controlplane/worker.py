@@ -3,7 +3,8 @@
 Two loops, so that a long shadow evaluation never delays a rollback:
 
 - rollout loop (every controlplane.worker_interval_s): discovery of new registry
-  versions, the TTL reaper, one rollout reconciliation pass (pushes to nodes, MLflow
+  versions, the TTL reaper, the deletion pass (the control plane's part of any request
+  not done yet, completion), one rollout reconciliation pass (pushes to nodes, MLflow
   mirrors);
 - shadow loop (every controlplane.shadow_interval_s, and woken by discovery):
   shadow evaluation of every registered version, then its gates.
@@ -21,7 +22,7 @@ import threading
 from sqlalchemy.orm import Session, sessionmaker
 
 from adaflash.config import Settings
-from controlplane import discovery, lifecycle
+from controlplane import deletion, discovery, lifecycle
 from controlplane.db import session_scope
 from controlplane.gates import GatePolicy
 from controlplane.registry import Registry
@@ -74,6 +75,11 @@ class Workers:
     def rollout_pass(self) -> str | None:
         self.discover()
         reap(self.sessions, self.registry)
+        try:
+            deletion.reconcile(self.sessions, self.settings)
+        except Exception:  # never in the way of a rollout; retried next pass
+            self.errors += 1
+            log.exception("deletion pass failed")
         return self.reconciler.run_once()
 
     def shadow_pass(self):

@@ -13,6 +13,11 @@ only labels, exceptions are reported by type name only.
 
 Drop reasons: queue_full, closed, invalid_tenant, opt_out, sampled_out, scrub_error,
 scrub_timeout, producer_backlog, spool_overflow, spool_full, deleted, internal_error.
+
+Deletion requests: ``purge_stores(tenant, before)`` purges the tenant from every store
+of the node (this queue, the producer's queue, the spool, usage-audit samples) and
+drops its records created up to ``before`` that are still on their way (reason
+``deleted``). Usage counts (per tenant and day: numbers, no content) stay for audit.
 """
 
 from __future__ import annotations
@@ -104,6 +109,8 @@ class FeedbackEmitter:
         self._emitted: Counter[str] = Counter()
         self._dropped: dict[str, Counter[str]] = defaultdict(Counter)
         self._usage_pending: Counter[tuple[str, str, str, str]] = Counter()
+        self._deleted: dict[str, datetime] = {}  # tenant -> its records created up to it are dropped
+        self._active: Counter[str] = Counter()  # per tenant: records a worker is processing now
         self._usage_flushed_at = time.monotonic()
         self.metrics = _Metrics(registry)
         # Scrubbing runs on its own threads so a hung scrub can be abandoned: the worker
@@ -212,6 +219,8 @@ class FeedbackEmitter:
                 return
             self.metrics.queue_depth.set(self._q.qsize())
             record, traceparent = item
+            with self._lock:
+                self._active[record.tenant_id] += 1
             try:
                 self._process(record, traceparent)
             except Exception as e:  # noqa: BLE001
@@ -220,6 +229,7 @@ class FeedbackEmitter:
             finally:
                 with self._lock:
                     self._inflight -= 1
+                    self._active[record.tenant_id] -= 1
                 self._maybe_flush_usage()
 
     def _maybe_flush_usage(self) -> None:
@@ -257,6 +267,9 @@ class FeedbackEmitter:
                 self.count_drop(tenant, "scrub_error")
                 span.set_status(Status(StatusCode.ERROR, "scrub_error"))
                 return
+        if self._is_deleted(record):
+            self.count_drop(tenant, "deleted")
+            return
         with _tracer.start_as_current_span(Spans.PRODUCE, context=parent, attributes=attrs) as span:
             if not self.sink.send(scrubbed, inject_traceparent(span) or traceparent):
                 self.count_drop(tenant, "producer_backlog")
@@ -270,6 +283,52 @@ class FeedbackEmitter:
                 log.error("sample write failed: %s", type(e).__name__)
 
     # -- deletion, shutdown -------------------------------------------------------------------
+    def _is_deleted(self, record: FeedbackRecord) -> bool:
+        cutoff = self._deleted.get(record.tenant_id)
+        return cutoff is not None and record.created_at <= cutoff
+
+    def stores(self) -> list:
+        """Every store of this node holding the tenant's scrubbed records (``Purgeable``s):
+        this queue, the producer's queue, the spool, the usage audit's samples."""
+        out: list = [self]
+        sink = self.sink
+        if hasattr(sink, "purge_tenant"):
+            out.append(sink)
+        spool = getattr(sink, "spool", None)
+        if spool is not None:
+            out.append(spool)
+        if self.usage is not None:
+            out.append(self.usage)
+        return out
+
+    def purge_stores(self, tenant_id: str, before: datetime, *, wait_s: float | None = None):
+        """Execute a deletion request on this node: purge every store of ``tenant_id``.
+
+        First the tenant's records created up to ``before`` are refused from now on (by
+        the workers and by the spool), then a record a worker is processing finishes
+        (at most one scrub timeout), then each store is purged. Returns a
+        ``governance.retention.PurgeReport``; a store in ``failed`` needs another try.
+        """
+        from governance.retention import purge_tenant as purge
+
+        before = before if before.tzinfo else before.replace(tzinfo=UTC)
+        with self._lock:
+            old = self._deleted.get(tenant_id)
+            self._deleted[tenant_id] = max(old, before) if old else before
+        spool = getattr(self.sink, "spool", None)
+        if spool is not None and hasattr(spool, "refuse_before"):
+            spool.refuse_before(tenant_id, before)
+        queued = self.purge_tenant(tenant_id)  # nothing queued reaches a worker any more
+        deadline = time.monotonic() + (wait_s if wait_s is not None else self.scrub_timeout_s + 5.0)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._active[tenant_id] <= 0:
+                    break
+            time.sleep(0.02)
+        report = purge(tenant_id, self.stores())
+        report.purged[self.name] = report.purged.get(self.name, 0) + queued
+        return report
+
     def purge_tenant(self, tenant_id: str) -> int:
         """Drop the tenant's records still waiting in the queue; returns how many."""
         with self._q.mutex:

@@ -142,6 +142,24 @@ class FeedbackProducer:
             time.sleep(0.05)
         return self.pending() == 0
 
+    name = "producer_queue"
+
+    def purge_tenant(self, tenant_id: str) -> int:
+        """Drop the tenant's records still waiting for the sender thread; returns how many.
+
+        A batch the sender already holds goes to the broker (then Kafka retention
+        removes it) or, failing, to the spool, which refuses records of a deleted tenant
+        (``Spool.refuse_before``)."""
+        with self._q.mutex:
+            keep = [it for it in self._q.queue if not (isinstance(it, _Item) and it.tenant_id == tenant_id)]
+            n = len(self._q.queue) - len(keep)
+            self._q.queue.clear()
+            self._q.queue.extend(keep)
+            self._q.not_full.notify_all()
+        if n:
+            self._resolved(n)
+        return n
+
     def stats(self) -> dict[str, int | bool]:
         return {**self.counters, "queued": self._q.qsize(), "spool_depth": len(self.spool),
                 "connected": self.connected}

@@ -13,6 +13,11 @@ Bounded by ``max_records``. When full, ``overflow`` decides:
 - ``"refuse"``: the new record is not stored, counted as ``spool_full``.
 
 Only ``ScrubbedRecord`` objects are accepted: raw text never reaches this file.
+
+Deletion: ``purge_tenant`` deletes a tenant's rows (overwritten on disk, the WAL
+checkpointed and truncated); ``refuse_before(tenant, t)`` makes the spool refuse that
+tenant's records created up to ``t`` from then on (counted as ``deleted``), so a batch
+that was in flight during the purge cannot bring them back.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +37,7 @@ Overflow = Literal["drop_oldest", "refuse"]
 
 REASON_OVERFLOW = "spool_overflow"
 REASON_FULL = "spool_full"
+REASON_DELETED = "deleted"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS spool (
@@ -78,7 +85,8 @@ class Spool:
         self._db.executescript(_SCHEMA)
         self._count = self._db.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
         self.counters: dict[str, int] = {"appended": 0, "replayed": 0, REASON_OVERFLOW: 0, REASON_FULL: 0,
-                                         "purged": 0}
+                                         "purged": 0, REASON_DELETED: 0}
+        self._refuse: dict[str, datetime] = {}  # tenant -> records created up to it are refused
 
     def __len__(self) -> int:
         return self._count
@@ -90,11 +98,21 @@ class Spool:
     def append_many(self, items: Iterable[tuple[ScrubbedRecord, str | None]]) -> int:
         """Store records in order, in one transaction; returns how many were stored."""
         rows = []
+        deleted: list[str] = []
         now = time.time()
         for rec, tp in items:
             if not isinstance(rec, ScrubbedRecord):
                 raise TypeError("the spool holds scrubbed records only (governance.pii.ScrubbedRecord)")
+            cutoff = self._refuse.get(rec.tenant_id)
+            if cutoff is not None and rec.record.created_at <= cutoff:
+                deleted.append(rec.tenant_id)
+                continue
             rows.append((rec.tenant_id, rec.record_id, rec.record.to_bytes(), tp, now))
+        if deleted:
+            self.counters[REASON_DELETED] += len(deleted)
+            if self.on_drop:
+                for t in deleted:
+                    self.on_drop(t, REASON_DELETED)
         if not rows:
             return 0
         refused: list[str] = []
@@ -150,6 +168,12 @@ class Spool:
             self._count -= n
             self.counters["replayed"] += n
         return n
+
+    def refuse_before(self, tenant_id: str, cutoff: datetime) -> None:
+        """From now on refuse ``tenant_id``'s records created at or before ``cutoff``."""
+        with self._lock:
+            old = self._refuse.get(tenant_id)
+            self._refuse[tenant_id] = max(old, cutoff) if old else cutoff
 
     def purge_tenant(self, tenant_id: str) -> int:
         """Delete every spooled record of ``tenant_id``; returns how many."""

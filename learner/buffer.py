@@ -164,6 +164,14 @@ class ReplayBuffer:
     def held(self) -> list[Item]:
         return self.items + list(self.deferred)
 
+    def purge_tenant(self, tenant_id: str) -> tuple[int, int]:
+        """Forget the tenant's records (a deletion request); returns (buffered, deferred) removed."""
+        before = len(self.items), len(self.deferred)
+        self.items = [i for i in self.items if i.record.tenant_id != tenant_id]
+        self.deferred = deque(i for i in self.deferred if i.record.tenant_id != tenant_id)
+        self.counts = Counter(i.record.tenant_id for i in self.items)
+        return before[0] - len(self.items), before[1] - len(self.deferred)
+
     def drop_partitions(self, partitions: set[int]) -> None:
         """Forget records of partitions this learner no longer owns (another will re-read them)."""
         self.items = [i for i in self.items if i.partition not in partitions]

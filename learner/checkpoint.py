@@ -15,15 +15,26 @@ de-duplication set (the orphan file is removed), and one killed after it finds a
 four moved together. Kafka offsets are committed only after this, so the group's
 committed offsets are a lower bound of the stored ones; whatever the broker delivers
 again below them is recognised through ``seen``.
+
+Deletion of a tenant (``purge_tenant``): its record ids in ``seen`` and in the
+``trained`` ledger are replaced by ``sha256:<hex of the id>``, so the files no longer
+hold them while de-duplication stays exact (``seen`` looks an id up in both forms: a
+purged record re-delivered by Kafka is still never trained twice) and the ledger keeps
+its length and steps. ``deleted`` keeps the tenant and the request's time: the
+learner refuses the tenant's records created up to it (Kafka keeps them until
+retention passes). The database uses ``secure_delete`` and is vacuumed and its WAL
+truncated after a purge, so the old ids are not left in free pages or the log.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -35,7 +46,14 @@ CREATE TABLE IF NOT EXISTS seen (record_id TEXT PRIMARY KEY, outcome TEXT NOT NU
 CREATE TABLE IF NOT EXISTS trained (record_id TEXT NOT NULL, tenant_id TEXT NOT NULL, step INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS offsets (topic TEXT NOT NULL, partition INTEGER NOT NULL, next_offset INTEGER NOT NULL,
                                     PRIMARY KEY (topic, partition));
+CREATE TABLE IF NOT EXISTS deleted (tenant_id TEXT PRIMARY KEY, before TEXT NOT NULL);
 """
+HASHED = "sha256:"
+
+
+def hashed_id(record_id: str) -> str:
+    """The form a purged record id is kept in (de-duplication without the id itself)."""
+    return HASHED + hashlib.sha256(record_id.encode()).hexdigest()
 
 
 @dataclass
@@ -64,7 +82,10 @@ class CheckpointStore:
         self.db = sqlite3.connect(self.dir / "state.db", isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA secure_delete=ON")
         self.db.executescript(SCHEMA)
+        if "tenant_id" not in {r[1] for r in self.db.execute("PRAGMA table_info(seen)")}:
+            self.db.execute("ALTER TABLE seen ADD COLUMN tenant_id TEXT")  # stores from before deletions
         self._remove_orphans()
 
     def close(self) -> None:
@@ -88,7 +109,8 @@ class CheckpointStore:
         return {int(p): int(o) for p, o in rows}
 
     def seen(self, record_id: str) -> bool:
-        return self.db.execute("SELECT 1 FROM seen WHERE record_id = ?", (record_id,)).fetchone() is not None
+        return self.db.execute("SELECT 1 FROM seen WHERE record_id IN (?, ?)",
+                               (record_id, hashed_id(record_id))).fetchone() is not None
 
     def ledger(self) -> list[tuple[str, int]]:
         """(record_id, step) for every record trained on, in order (append-only)."""
@@ -127,8 +149,9 @@ class CheckpointStore:
         cur = self.db.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
-            cur.executemany("INSERT OR IGNORE INTO seen VALUES (?, ?, ?, ?)",
-                            [(d.record_id, d.outcome, step, d.created_at) for d in done])
+            cur.executemany("INSERT OR IGNORE INTO seen (record_id, outcome, step, created_at, tenant_id) "
+                            "VALUES (?, ?, ?, ?, ?)",
+                            [(d.record_id, d.outcome, step, d.created_at, d.tenant_id) for d in done])
             cur.executemany("INSERT INTO trained VALUES (?, ?, ?)",
                             [(d.record_id, d.tenant_id, step) for d in done if d.outcome == "trained"])
             cur.executemany("INSERT INTO offsets VALUES (?, ?, ?) ON CONFLICT (topic, partition) "
@@ -148,6 +171,39 @@ class CheckpointStore:
             for key, value in values.items():
                 self.db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                                 (key, json.dumps(value, default=str)))
+
+    # --- deletion --------------------------------------------------------------------------------
+    def deleted_before(self) -> dict[str, datetime]:
+        """Tenant -> time of its deletion request: its records created up to it are refused."""
+        return {t: datetime.fromisoformat(b) for t, b in self.db.execute("SELECT tenant_id, before FROM deleted")}
+
+    def purge_tenant(self, tenant_id: str, before: datetime) -> dict[str, int]:
+        """Replace the tenant's record ids by their hashes (ledger and de-duplication set),
+        remember the deletion; returns {"ledger": n, "seen": n} (ids replaced now)."""
+        before = before if before.tzinfo else before.replace(tzinfo=UTC)
+        old = self.deleted_before().get(tenant_id)
+        cur = self.db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            cur.execute("INSERT INTO deleted VALUES (?, ?) ON CONFLICT (tenant_id) DO UPDATE SET before = "
+                        "excluded.before", (tenant_id, max(old, before).isoformat() if old else before.isoformat()))
+            trained = [r for (r,) in cur.execute("SELECT DISTINCT record_id FROM trained WHERE tenant_id = ? AND "
+                                                 "record_id NOT LIKE 'sha256:%'", (tenant_id,))]
+            cur.executemany("UPDATE trained SET record_id = ? WHERE record_id = ?",
+                            [(hashed_id(r), r) for r in trained])
+            ids = set(trained) | {r for (r,) in cur.execute(
+                "SELECT record_id FROM seen WHERE tenant_id = ? AND record_id NOT LIKE 'sha256:%'", (tenant_id,))}
+            n_seen = 0
+            for r in ids:
+                n_seen += cur.execute("UPDATE seen SET record_id = ? WHERE record_id = ?", (hashed_id(r), r)).rowcount
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        # Nothing of the old ids left in free pages (secure_delete), the rebuilt file or the WAL.
+        self.db.execute("VACUUM")
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return {"ledger": len(trained), "seen": n_seen}
 
     # --- housekeeping ----------------------------------------------------------------------------
     def _files(self) -> list[Path]:

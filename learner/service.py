@@ -3,6 +3,7 @@
 One loop, one step at a time::
 
     poll the feedback topic
+      tenant deleted (record created up to the request) -> skipped, never used
       record already trained (checkpointed ``seen``)   -> skip
       bad schema / unknown target / too long / short   -> DLQ with the reason
       expired or opted out (tenant policy)             -> dropped, counted
@@ -22,6 +23,10 @@ surviving weights saw every record once (``trained`` is the ledger that shows it
 ``ADAFLASH_LEARNER_CRASH=phase:step`` kills the process (SIGKILL, no clean-up) at a
 named phase of a step (after_train, after_weights, after_checkpoint, after_commit) so
 recovery can be tested against a real broker.
+
+Deletion requests (learner/deletion.py): between steps the learner purges a deleted
+tenant from its buffer, deferred records and checkpoint ledger and acknowledges it to
+the control plane.
 """
 
 from __future__ import annotations
@@ -121,6 +126,10 @@ class Learner:
         self.dirty = False  # offsets moved past records that need no training (DLQ, skips)
         self.counters: dict[str, int] = defaultdict(int)
         self.stop_event = threading.Event()
+        self.deleted = self.store.deleted_before()  # tenant -> its records up to it are refused
+        from learner.deletion import DeletionPoller
+
+        self.deletions = DeletionPoller.from_settings(self)
         # The consumer's rebalance callbacks run on the client's I/O thread; they take this
         # lock to touch the buffer.
         self._lock = threading.RLock()
@@ -150,6 +159,10 @@ class Learner:
             record = FeedbackRecord.from_bytes(msg.value)
         except InvalidRecord as e:
             return self._dlq(msg, BAD_SCHEMA, str(e))
+        cutoff = self.deleted.get(record.tenant_id)
+        if cutoff is not None and record.created_at <= cutoff:
+            self.dirty = True  # offsets may move past it; Kafka retention removes it
+            return self._count("deleted")
         if self.store.seen(record.record_id):
             log.info("record %s at %s/%s already trained: skipped", record.record_id, msg.partition, msg.offset)
             return self._count("already_trained")
@@ -182,6 +195,32 @@ class Learner:
             if it.partition in out:
                 out[it.partition] = min(out[it.partition], it.offset)
         return out
+
+    # --- deletion -----------------------------------------------------------------------------------
+    def purge_tenant(self, tenant_id: str, before) -> tuple[dict[str, int], dict]:
+        """Execute a deletion request: the tenant's records leave every store of the learner.
+
+        Its records created up to ``before`` are refused from now on (persisted); the
+        buffer and deferred records drop them; records finished but not yet checkpointed
+        are forgotten (they would write their ids); the checkpoint replaces their ids by
+        hashes. Returns (store -> count, detail for the acknowledgement)."""
+        with self._lock:
+            ledger = self.store.purge_tenant(tenant_id, before)  # persists the cut-off first
+            self.deleted = self.store.deleted_before()
+            buffered, deferred = self.buffer.purge_tenant(tenant_id)
+            pending = [d for d in self.done if d.tenant_id == tenant_id]
+            self.done = [d for d in self.done if d.tenant_id != tenant_id]
+            if buffered or deferred or pending:
+                self.dirty = True
+        lineage = self.store.meta("lineage_pending") or {}
+        trained_in = bool(ledger["ledger"]) or any(
+            1 for _ in self.store.db.execute("SELECT 1 FROM trained WHERE tenant_id = ? LIMIT 1", (tenant_id,)))
+        detail = {"weights_trained_on_tenant": trained_in,
+                  "unpublished_steps_trained_on_tenant": tenant_id in (lineage.get("tenants") or []),
+                  "parent_version": self.store.meta("parent_version")}
+        purged = {"replay_buffer": buffered, "deferred": deferred, "unfinished": len(pending),
+                  "ledger_ids": ledger["ledger"], "dedup_ids": ledger["seen"]}
+        return purged, detail
 
     # --- one training step ------------------------------------------------------------------------
     def step(self) -> dict[str, float] | None:
@@ -289,6 +328,8 @@ class Learner:
         steps, idle_since = 0, time.monotonic()
         try:
             while not self.stop_event.is_set():
+                if self.deletions is not None:
+                    self.deletions.maybe_tick()
                 msgs = []
                 if self.buffer.wants_more():
                     self.consumer.resume()
@@ -320,4 +361,7 @@ class Learner:
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None
+        if self.deletions is not None:
+            self.deletions.close()
+            self.deletions = None
         self.store.close()
