@@ -38,6 +38,7 @@ from adaflash.config import Settings
 
 STATE_FILE = "stack.json"
 NODE_TOKEN_FILE = "node-token"
+LEARNER_TOKEN_FILE = "learner-token"
 ADMIN_TOKEN_FILE = "admin-token"
 ALL_PARTS = ("broker", "mlflow", "controlplane", "dataplane", "learner")
 # Start order: a part starts once every part it needs is ready.
@@ -46,7 +47,7 @@ NEEDS = {
     "mlflow": (),
     "controlplane": ("mlflow",),
     "dataplane": ("controlplane", "broker"),
-    "learner": ("broker", "mlflow"),
+    "learner": ("broker", "mlflow", "controlplane"),
 }
 # Stop order: consumers of the others first.
 STOP_WAVES = (("learner", "dataplane"), ("controlplane",), ("mlflow", "broker"))
@@ -406,7 +407,16 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
             "dataplane", _cli(config, "serve", "--host", host, "--port", str(port)), env,
             lambda: http_ok(f"{node_url}/readyz"), port, node_url, before_start=before))
     if "learner" in run:
-        services.append(Service("learner", _cli(config, "learner"), {}, lambda: (True, "running")))
+        lenv, lbefore = {}, None
+        if cp_url:  # the learner acknowledges tenant deletions to the control plane
+            learner_token = home / LEARNER_TOKEN_FILE
+            lenv = {"ADAFLASH_LEARNER__CONTROLPLANE_URL": cp_url,
+                    "ADAFLASH_LEARNER__CONTROLPLANE_TOKEN_FILE": str(learner_token)}
+
+            def lbefore(svc: Service, cp_url=cp_url, learner_token=learner_token) -> None:
+                ensure_node_key(cp_url, admin_token, learner_token, settings.learner.learner_id, role="learner")
+        services.append(Service("learner", _cli(config, "learner"), lenv, lambda: (True, "running"),
+                                before_start=lbefore))
     for s in services:
         s.env = {**base_env, **s.env}
 
@@ -443,9 +453,11 @@ def gate_policy_file(settings: Settings) -> str:
     return str(Path(choice).resolve())
 
 
-def ensure_node_key(cp_url: str, admin_token_path: Path, node_token_path: Path, node_id: str) -> None:
-    """Make sure ``node_token_path`` holds a valid node key bound to ``node_id``, creating
-    one through the control plane's admin API (with the admin key in ``admin_token_path``)."""
+def ensure_node_key(cp_url: str, admin_token_path: Path, node_token_path: Path, node_id: str,
+                    role: str = "node") -> None:
+    """Make sure ``node_token_path`` holds a valid key of ``role`` (node or learner) bound to
+    ``node_id``, creating one through the control plane's admin API (with the admin key in
+    ``admin_token_path``)."""
     import httpx
 
     api = f"{cp_url}/api/v1"
@@ -461,9 +473,9 @@ def ensure_node_key(cp_url: str, admin_token_path: Path, node_token_path: Path, 
         raise StackError(f"the control plane wrote no admin key at {admin_token_path}")
     admin = admin_token_path.read_text().strip()
     r = httpx.post(f"{api}/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=10,
-                   json={"name": f"stack-{node_id}", "role": "node", "node_id": node_id})
+                   json={"name": f"stack-{role}-{node_id}", "role": role, "node_id": node_id})
     if r.status_code != 201:
-        raise StackError(f"cannot create the node key: HTTP {r.status_code} {r.text[:300]}")
+        raise StackError(f"cannot create the {role} key: HTTP {r.status_code} {r.text[:300]}")
     _write_private(node_token_path, r.json()["key"] + "\n")
 
 
