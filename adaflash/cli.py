@@ -18,6 +18,7 @@ PART_CLIS = (
     "adaflash.stack_cli",
     "dataplane.cli",
     "learner.cli",
+    "learner.offline_cli",
     "controlplane.cli",
     "governance.cli",
     "bench.cli",

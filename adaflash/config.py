@@ -71,7 +71,20 @@ class KafkaConfig(BaseModel):
     feedback_topic: str = "adaflash.feedback.v1"
     dlq_topic: str = "adaflash.feedback.dlq.v1"
     partitions: int = 4
+    replication_factor: int = 1
     consumer_group: str = "adaflash-learner"
+    # Topic segment roll time: Kafka deletes whole segments, so a record is gone at most
+    # retention.ms + segment.ms after it was written. 0: leave the broker default.
+    segment_ms: int = 3_600_000
+    # Idempotent producer. Off by default: kafka-python's idempotent producer stays broken
+    # after a Tansu restart; acks=all + one request in flight + record_id de-duplication
+    # downstream give the same outcome. Turn on for Apache Kafka if wanted.
+    idempotence: bool = False
+    request_timeout_ms: int = 5000
+    delivery_timeout_ms: int = 15000
+    max_block_ms: int = 5000
+    # Recreate the topics after a reconnect (embedded Tansu forgets them on restart).
+    ensure_topics: bool = True
 
 
 class GovernanceConfig(BaseModel):
@@ -80,6 +93,19 @@ class GovernanceConfig(BaseModel):
     workers: int = 1
     scrub_timeout_s: float = 5.0
     spool_max_records: int = 100_000
+    # When the spool is full: "drop_oldest" (newest feedback is worth most; counted as
+    # reason spool_overflow) or "refuse" (the new record is dropped and counted).
+    spool_overflow: Literal["drop_oldest", "refuse"] = "drop_oldest"
+    spool_path: str = ""  # empty: $ADAFLASH_HOME/governance/spool.db
+    usage_db_path: str = ""  # empty: $ADAFLASH_HOME/governance/usage.db
+    policy_ttl_s: float = 30.0
+    policy_timeout_s: float = 1.0
+    # PII score threshold (Presidio); lower catches more.
+    pii_score_threshold: float = 0.3
+    # "process": scrub in a niced child process (keeps Presidio off the serving process's GIL);
+    # "inline": scrub on the emitter's threads (tests, tools).
+    scrubber: Literal["process", "inline"] = "process"
+    scrub_nice: int = 10
     default_sampling_rate: float = 1.0
     default_ttl_days: float = 30.0
     default_share_cap: float = 0.5
@@ -91,11 +117,43 @@ class LearnerConfig(BaseModel):
     loss: Literal["opd", "rkl", "rkl_clip", "osd", "hard"] = "opd"
     lr_drafter: float = 3e-4
     lr_head: float = 2e-4
-    buffer_size: int = 32  # paper: 128; CPU-scaled default
+    # Paper: 128 records per buffer, 2 epochs, batch 1, accumulation 2. On 2 CPU cores a
+    # 128-record buffer of ~300-token records takes minutes of target prefill and
+    # training, so the default buffer is 32 (one update every ~16 records, as the paper).
+    buffer_size: int = 32
     epochs: int = 2
     grad_accum: int = 2
     max_record_tokens: int = 1024
-    publish_every: int = 1
+    min_response_tokens: int = 2
+    # How a record's prompt_text is tokenized. "as_sent": exactly as the node did (it
+    # ships chat requests already templated, completions raw). "chat": a prompt with no
+    # special tokens is wrapped in the chat template as one user turn (for emitters
+    # that ship the bare user message).
+    prompt_format: Literal["as_sent", "chat"] = "as_sent"
+    anchors_per_record: int = 8  # training blocks sampled per record and epoch
+    # Length-head labels: "rounds" (the verify rounds a record carries, anchors rebuilt
+    # from them, falling back to simulation) or "simulated" (greedy acceptance of the
+    # current drafter against the target's top-1, computed exactly).
+    head_label: Literal["rounds", "simulated"] = "rounds"
+    publish_every: int = 1  # publish a candidate every N checkpointed steps (0: never)
+    init_drafter: str = ""  # bundle to start from; empty: dataplane.drafter, else a random one
+    state_dir: str = ""  # empty: $ADAFLASH_HOME/learner
+    tenant_policy_file: str = ""  # YAML/JSON list of TenantPolicy; empty: governance defaults
+    max_wait_s: float = 60.0  # train a partial buffer once its oldest record waited this long
+    max_deferred: int = 128  # records held back by the share cap before fetching pauses
+    session_timeout_ms: int = 6000  # consumer group session (fast joins on Tansu)
+    poll_timeout_ms: int = 500
+    supervise_chunk_tokens: int = 4096  # target tokens per packed supervision forward
+    keep_checkpoints: int = 2
+    seed: int = 0
+    # Deletion requests: the learner polls the control plane for them (empty URL: it does
+    # not, and deletions wait for its ack). Its API key (role learner) comes from this env
+    # var, else this file. learner_id names it in acknowledgements.
+    controlplane_url: str = ""
+    controlplane_token_env: str = "ADAFLASH_LEARNER_TOKEN"
+    controlplane_token_file: str = ""
+    learner_id: str = "learner"
+    deletion_poll_s: float = 10.0
 
 
 class ControlplaneConfig(BaseModel):
@@ -112,6 +170,25 @@ class ControlplaneConfig(BaseModel):
     evaluations_dir: str = ""  # empty: $ADAFLASH_HOME/evaluations (reports and plots)
     heartbeat_timeout_s: float = 30.0  # a node silent this long is reported stale
     page_limit_max: int = 500  # largest page any list endpoint returns
+    # Workers of `adaflash controlplane`: discovery, shadow evaluation, gates, rollout, reaper.
+    workers: bool = True
+    worker_interval_s: float = 2.0  # rollout / discovery tick
+    shadow_interval_s: float = 10.0  # how often new candidates are looked for
+    rollout_lease_s: float = 30.0  # a reconciler's hold on a promotion; another takes over after it
+    # Shadow-evaluation window: the feedback topic's tail (kafka), a JSONL file, or nothing.
+    feedback_source: Literal["kafka", "jsonl", "none"] = "kafka"
+    feedback_jsonl: str = ""
+    shadow_per_partition: int = 500  # records read back from each partition's tail
+    shadow_max_records: int = 2000  # newest held-out records replayed
+    # Push desired versions to nodes' POST /admin/drafter (heartbeats converge anyway):
+    # the nodes' admin bearer token from this env var (the Helm chart's adminToken secret),
+    # else this file, else the dataplane's token file; none: no push.
+    node_admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
+    node_admin_token_file: str = ""
+    push_timeout_s: float = 120.0
+    # Learners whose acknowledgement a deletion request waits for (learner.learner_id of
+    # each); with every known node and the control plane itself.
+    deletion_learners: list[str] = Field(default_factory=lambda: ["learner"])
 
 
 class TelemetryConfig(BaseModel):
@@ -129,6 +206,29 @@ class TelemetryConfig(BaseModel):
     metrics_interval_s: float = 60.0
     # Head sampling of new traces (parent-based: a sampled parent is always followed).
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+
+
+class StackConfig(BaseModel):
+    """``adaflash up``: the embedded stack on one machine (see adaflash/stack.py)."""
+
+    # Parts to run, in start order; parts whose command is not installed are skipped
+    # (and reported as missing by ``adaflash status``).
+    parts: list[str] = ["broker", "mlflow", "controlplane", "dataplane", "learner"]
+    # Ports: the configured ones (kafka.bootstrap, controlplane.port, dataplane.port, this
+    # mlflow_port) when free, else a random free port. random_ports: always random.
+    mlflow_port: int = 5000
+    random_ports: bool = False
+    node_id: str = "node-1"  # the embedded node's id (its control-plane key is bound to it)
+    # Gate policy of the embedded control plane when controlplane.policy_file is empty:
+    # "demo" (adaflash/demo_policy.yaml: short windows, approval auto), "default" (the
+    # control plane's packaged policy) or a file path.
+    gate_policy: str = "demo"
+    restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive crash
+    restart_backoff_max_s: float = 30.0
+    stable_after_s: float = 60.0  # ready this long: the crash streak (backoff) is forgotten
+    ready_timeout_s: float = 900.0  # a part not ready by then is killed and restarted
+    stop_timeout_s: float = 10.0  # SIGTERM, then SIGKILL after this many seconds
+    probe_interval_s: float = 5.0  # health probes of ready parts
 
 
 class _YamlSource(PydanticBaseSettingsSource):
@@ -155,6 +255,7 @@ class Settings(BaseSettings):
     learner: LearnerConfig = LearnerConfig()
     controlplane: ControlplaneConfig = ControlplaneConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    stack: StackConfig = StackConfig()
 
     _yaml_data: ClassVar[dict[str, Any]] = {}
 

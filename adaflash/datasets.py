@@ -24,7 +24,7 @@ import gzip
 import json
 import os
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 DOMAINS = ("chat", "code", "math")
 

@@ -3,7 +3,8 @@
 A key reads ``adf_<key_id>_<secret>``: ``key_id`` finds the row, the secret is checked
 against its salted HMAC-SHA256 in constant time. Roles: viewer < approver < admin for
 operators; auditor reads only its tenants; node may heartbeat, read its desired version
-and read tenant policies.
+and read tenant policies; node and learner keys list the deletion requests awaiting
+them and acknowledge them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Principal:
     name: str
     role: Role
     tenants: tuple[str, ...] = ()  # auditor scope
-    node_id: str | None = None  # node keys: the node they speak for
+    node_id: str | None = None  # node keys: the node they speak for (learner keys: the learner id)
 
     @property
     def actor(self) -> str:
@@ -51,7 +52,7 @@ class Principal:
     def may_read_tenant(self, tenant_id: str) -> bool:
         if self.role == Role.auditor:
             return tenant_id in self.tenants
-        return self.role in READERS or self.role == Role.node
+        return self.role in READERS or self.role in (Role.node, Role.learner)
 
     def tenant_scope(self) -> list[str] | None:
         """Tenants this caller may see, or None for all."""
@@ -76,8 +77,9 @@ def visible_tenants(principal: Principal, tenant_id: str | None) -> list[str] | 
 
 
 def require_node(principal: Principal, node_id: str) -> None:
-    if principal.role == Role.node and principal.node_id and principal.node_id != node_id:
-        raise Forbidden(f"this node key speaks for node {principal.node_id!r}, not {node_id!r}")
+    """A bound node (or learner) key speaks only for its own node id (learner id)."""
+    if principal.role in (Role.node, Role.learner) and principal.node_id and principal.node_id != node_id:
+        raise Forbidden(f"this {principal.role.value} key speaks for {principal.node_id!r}, not {node_id!r}")
 
 
 # -- API keys ------------------------------------------------------------------------------
@@ -106,8 +108,8 @@ def create_key(session: Session, *, name: str, role: Role, actor: str, tenants: 
         raise Invalid("an auditor key needs at least one tenant in its scope")
     if role != Role.auditor and tenants:
         raise Invalid("only auditor keys carry a tenant scope")
-    if node_id and role != Role.node:
-        raise Invalid("only node keys are bound to a node")
+    if node_id and role not in (Role.node, Role.learner):
+        raise Invalid("only node keys (and learner keys, to a learner id) are bound to a node")
     key_id, secret, salt = secrets.token_hex(6), secrets.token_urlsafe(32), secrets.token_hex(16)
     row = ApiKey(key_id=key_id, name=name, role=role.value, tenants=tenants, node_id=node_id, salt=salt,
                  secret_hash=hash_secret(salt, secret), created_by=actor, created_at=utcnow(),

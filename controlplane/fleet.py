@@ -75,7 +75,22 @@ def heartbeat(session: Session, node_id: str, hb: Heartbeat, *, actor: str, now:
     node.url, node.served_version, node.last_heartbeat_at = hb.url, hb.served_version, now
     node.live_tau, node.live_tps, node.error_rate = hb.live_tau, hb.live_tps, hb.error_rate
     node.status, node.status_message = hb.status, hb.message
+    node.heartbeats = (node.heartbeats or 0) + 1
     session.flush()
+    return node
+
+
+def observe_served(session: Session, node_id: str, version: str, *, actor: str, how: str,
+                   now: datetime | None = None) -> Node | None:
+    """Record what a node answered directly (a push's reply) before its next heartbeat says so."""
+    node = session.get(Node, node_id)
+    if node is None or node.served_version == version:
+        return node
+    audit.record(session, actor=actor, action="node.served_version", target=f"node:{node_id}",
+                 before={"served_version": node.served_version},
+                 after={"served_version": version, "desired_version": node.desired_version, "observed": how},
+                 at=now or utcnow())
+    node.served_version = version
     return node
 
 

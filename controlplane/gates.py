@@ -47,6 +47,13 @@ class RolloutPolicy(BaseModel):
     max_live_tps_regression: float = Field(ge=0.0)
     max_live_error_rate: float = Field(ge=0.0, le=1.0)
     min_watch_heartbeats: int = Field(default=3, ge=1)
+    # A step whose nodes have not converged after this long rolls the promotion back.
+    converge_timeout_s: float = Field(default=600.0, gt=0.0)
+    # Nodes silent for controlplane.heartbeat_timeout_s: false = the rollout proceeds without
+    # them (their desired version is set; they converge when they come back), true = it waits.
+    wait_for_stale_nodes: bool = False
+    # After completion, live metrics are still judged this long; a regression rolls back.
+    post_promotion_watch_s: float = Field(default=600.0, ge=0.0)
 
 
 class GatePolicy(BaseModel):

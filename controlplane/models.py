@@ -15,11 +15,13 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from controlplane.db import UTCDateTime, utcnow
 from controlplane.states import (
+    DeletionComponent,
     DeletionScope,
     DeletionState,
     NodeRole,
@@ -79,6 +81,7 @@ class Node(Base):
     pinned_version: Mapped[str | None] = mapped_column(ForeignKey("versions.version"))
     served_version: Mapped[str | None] = mapped_column(String(VERSION_LEN))
     last_heartbeat_at: Mapped[datetime | None]
+    heartbeats: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # ever received
     live_tau: Mapped[float | None] = mapped_column(Float)
     live_tps: Mapped[float | None] = mapped_column(Float)
     error_rate: Mapped[float | None] = mapped_column(Float)
@@ -137,6 +140,8 @@ class Promotion(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # times a reconciler entered the state
     lease_owner: Mapped[str | None] = mapped_column(String(128))  # reconciler holding it
     lease_until: Mapped[datetime | None]
+    # Live metrics before the rollout acted, and the canaries' heartbeat counts when watching began.
+    baseline: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -203,6 +208,25 @@ class DeletionRequest(Base):
     result: Mapped[dict[str, Any]] = mapped_column(default=dict)  # per store: what was purged
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     completed_at: Mapped[datetime | None]
+
+
+class DeletionAck(Base):
+    """One component's acknowledgement of a deletion request: what it purged, when."""
+
+    __tablename__ = "deletion_acks"
+    __table_args__ = (
+        CheckConstraint(_in("component", DeletionComponent), name="ck_deletion_acks_component"),
+        UniqueConstraint("request_id", "component", "instance", name="uq_deletion_acks_instance"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[int] = mapped_column(ForeignKey("deletion_requests.id"), index=True)
+    component: Mapped[str] = mapped_column(String(16))
+    instance: Mapped[str] = mapped_column(String(128))  # node id, learner id, "controlplane"
+    purged: Mapped[dict[str, Any]] = mapped_column(default=dict)  # store -> records deleted
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)  # failures, trained-in weights, ...
+    actor: Mapped[str] = mapped_column(String(256))
+    acked_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class AuditEntry(Base):

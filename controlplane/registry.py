@@ -170,6 +170,20 @@ class Registry:
             self.client.set_registered_model_alias(self.model_name, ALIAS_PREVIOUS, current)
         self.client.set_registered_model_alias(self.model_name, ALIAS_CHAMPION, str(version))
 
+    def sync_aliases(self, wanted: Mapping[str, str | None]) -> list[str]:
+        """Make each alias point where ``wanted`` says (None: no such alias); returns those changed."""
+        changed = []
+        for name, version in wanted.items():
+            current = self.alias(name)
+            if current == (str(version) if version is not None else None):
+                continue
+            if version is None:
+                self.client.delete_registered_model_alias(self.model_name, name)
+            else:
+                self.client.set_registered_model_alias(self.model_name, name, str(version))
+            changed.append(name)
+        return changed
+
     def rollback(self) -> str:
         """Reinstate ``previous`` as champion; returns it. ``previous`` is cleared."""
         previous = self.alias(ALIAS_PREVIOUS)

@@ -89,7 +89,8 @@ class Role(StrEnum):
     approver = "approver"
     admin = "admin"
     auditor = "auditor"  # read-only, limited to its tenants
-    node = "node"  # heartbeat, desired version and tenant policies only
+    node = "node"  # heartbeat, desired version, tenant policies, its deletion work and acks
+    learner = "learner"  # its deletion work and acks only
 
 
 class DeletionState(StrEnum):
@@ -97,6 +98,14 @@ class DeletionState(StrEnum):
     running = "running"
     completed = "completed"
     failed = "failed"
+
+
+class DeletionComponent(StrEnum):
+    """Who acknowledges a deletion request: each one purges the stores it owns."""
+
+    controlplane = "controlplane"  # evaluation reports and plots, the JSONL evaluation window
+    node = "node"  # emitter and producer queues, spool, usage-audit samples (one ack per node)
+    learner = "learner"  # replay buffer, deferred records, checkpoint ledger (one ack per learner)
 
 
 class DeletionScope(StrEnum):

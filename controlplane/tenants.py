@@ -70,8 +70,10 @@ def get_deletion(session: Session, request_id: int) -> DeletionRequest:
 
 
 def list_deletions(session: Session, tenant_ids: list[str] | None = None, limit: int = 100,
-                   offset: int = 0) -> list[DeletionRequest]:
+                   offset: int = 0, states: list[str] | None = None) -> list[DeletionRequest]:
     q = select(DeletionRequest).order_by(DeletionRequest.id)
+    if states is not None:
+        q = q.where(DeletionRequest.state.in_(states))
     if tenant_ids is not None:
         q = q.where(DeletionRequest.tenant_id.in_(tenant_ids))
     return list(session.scalars(q.offset(offset).limit(limit)))

@@ -39,6 +39,7 @@ def serve(args, settings) -> int:
     import uvicorn
 
     from adaflash.cli import CliError
+    from adaflash.telemetry import DATAPLANE, setup_telemetry
     from dataplane.drafter_io import DrafterLoadError
     from dataplane.node import Node, resolve_admin_token
     from dataplane.reconcile import Reconciler
@@ -50,12 +51,14 @@ def serve(args, settings) -> int:
     if args.no_feedback:
         settings.governance = settings.governance.model_copy(update={"feedback_enabled": False})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
     try:
         node = Node(settings)
     except DrafterLoadError as e:
         raise CliError(f"cannot load drafter: {e}") from e
     token = resolve_admin_token(settings)
     cfg = settings.dataplane
+    tel = setup_telemetry(DATAPLANE, settings, resource_attributes={"adaflash.node_id": node.node_id})
     public = cfg.public_url or f"http://{cfg.host}:{cfg.port}"
     attach_feedback(node, settings)
     app = create_app(node, token)
@@ -71,6 +74,7 @@ def serve(args, settings) -> int:
         node.engine.stop()
         if node.emitter is not None:
             node.emitter.close()
+        tel.shutdown()
     return 0
 
 

@@ -184,7 +184,9 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         cu, ids = [0], []
+        now = time.monotonic()
         for s in seqs:
+            s.prefill_at = now
             cap = len(s.prompt_ids) + s.params.max_tokens + self.cfg.block_size + 1
             s.target_kv = self.target.new_cache(capacity=min(cap, self.max_model_len + self.cfg.block_size))
             if self.drafter is not None and self.mode != "ar":

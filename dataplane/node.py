@@ -170,7 +170,7 @@ class Node:
         if self.emitter is None or seq.finish_reason == "cancelled" and not seq.output_ids:
             return
         record = self.feedback_record(seq)
-        self.emitter.submit(record)
+        self.emitter.submit(record, traceparent=seq.traceparent)
 
     def feedback_record(self, seq: Sequence) -> FeedbackRecord:
         """The raw (unscrubbed) record of a finished request; the emitter scrubs it."""

@@ -4,6 +4,12 @@ Every interval the node heartbeats its served version and live tau / TPS / error
 the answer carries the version the control plane wants it to serve. If they differ the
 node loads the desired one (same checks as POST /admin/drafter). A restarted node or
 control plane converges without replaying events: only the current desired state matters.
+
+Deletion requests too: after each heartbeat the node asks for the open deletion requests
+it has not acknowledged (``GET /api/v1/deletion-requests?instance=<node id>``), purges
+the tenant from every store it holds (``FeedbackEmitter.purge_stores``: emitter and
+producer queues, spool, usage-audit samples) and acknowledges with what it purged. A
+store that failed is retried next interval; nothing is acknowledged until all purged.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from datetime import UTC, datetime
 
 import httpx
 
@@ -57,6 +64,10 @@ class Reconciler:
             self.last_error = f"control plane unreachable: {e}"
             return None
         self.last_error = None
+        try:
+            self.deletions()
+        except Exception as e:  # noqa: BLE001 - retried next tick; serving and convergence go on
+            log.warning("deletion requests: %s: %s", type(e).__name__, e)
         if desired and desired.get("version") and desired["version"] != self.node.engine.drafter_version:
             v = desired["version"]
             if v in self.failed_versions and self.failed_versions[v] == desired.get("sha256"):
@@ -68,6 +79,32 @@ class Reconciler:
                 self.failed_versions[v] = desired.get("sha256")
                 log.warning("desired drafter %s refused: %s", v, e)
         return desired
+
+    def deletions(self) -> list[dict]:
+        """Execute the deletion requests awaiting this node; returns the acknowledgements sent."""
+        r = self.client.get(f"{self.base}/api/v1/deletion-requests",
+                            params={"instance": self.node.node_id, "state": "open"})
+        r.raise_for_status()
+        sent = []
+        for req in r.json():
+            tenant = req["tenant_id"]
+            before = datetime.fromisoformat(req["created_at"])
+            before = before if before.tzinfo else before.replace(tzinfo=UTC)
+            emitter = getattr(self.node, "emitter", None)
+            if emitter is not None:
+                report = emitter.purge_stores(tenant, before)
+                if report.failed:
+                    log.error("deletion %s: stores %s failed; retried", req["id"], sorted(report.failed))
+                    continue
+                purged, detail = report.purged, {}
+            else:
+                purged, detail = {}, {"feedback": "disabled on this node"}
+            body = {"component": "node", "instance": self.node.node_id, "purged": purged, "detail": detail}
+            a = self.client.post(f"{self.base}/api/v1/deletion-requests/{req['id']}/ack", json=body)
+            a.raise_for_status()
+            log.info("deletion %s of tenant %s: purged %s", req["id"], tenant, purged)
+            sent.append(body | {"request_id": req["id"]})
+        return sent
 
     def start(self) -> None:
         def loop():

@@ -61,10 +61,12 @@ class Sequence:
     backoff: int = 1
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
+    prefill_at: float | None = None  # admitted: prefill started
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
     detok: object | None = None  # Detokenizer, owned by the server side
+    traceparent: str | None = None  # W3C traceparent of the request span (dataplane.tracing)
 
     @property
     def last_token(self) -> int:

@@ -36,6 +36,7 @@ from adaflash.contracts.tenancy import DEFAULT_TENANT
 from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
 from dataplane.sequence import SamplingParams, Sequence
+from dataplane.tracing import TracingMiddleware, attach
 
 log = logging.getLogger("adaflash.server")
 
@@ -62,6 +63,7 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
     app.state.node = node
     cfg = node.settings.dataplane
     metrics = node.engine.metrics
+    app.add_middleware(TracingMiddleware, node=node)
 
     # --- errors -------------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -176,6 +178,7 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
 
         seq.on_update = on_update
         detok = node.new_detokenizer(req.stop)
+        attach(seq)
         node.engine.add(seq)
         created = int(time.time())
         if req.stream:

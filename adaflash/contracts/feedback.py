@@ -6,6 +6,7 @@ re-tokenizes the scrubbed text and recomputes the frozen target's distributions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from datetime import UTC, datetime
@@ -14,6 +15,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from adaflash.contracts import FEEDBACK_SCHEMA_VERSION
+
+# Held-out split of live feedback: one record in EVALUATION_MODULUS is kept for shadow
+# evaluation and never trained on. The rule hashes the record id (sha256, not Python's
+# salted hash()) so the learner and the control plane, in different processes, agree.
+EVALUATION_MODULUS = 10
+
+
+def is_evaluation_record(record_id: str) -> bool:
+    """True for the records reserved for shadow evaluation: the learner must skip them.
+
+    ``int(sha256(record_id)[:16 hex digits]) % 10 == 0``, about 10 % of records.
+    """
+    digest = hashlib.sha256(record_id.encode()).hexdigest()
+    return int(digest[:16], 16) % EVALUATION_MODULUS == 0
 
 
 class TargetRef(BaseModel):

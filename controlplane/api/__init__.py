@@ -19,6 +19,7 @@ from controlplane.api.routes import audit, evaluations, keys, nodes, tenants, ve
 from controlplane.api.schemas import ErrorBody
 from controlplane.db import database_url, make_engine, make_sessionmaker, upgrade
 from controlplane.gates import load_policy
+from controlplane.tracing import TracingMiddleware
 
 log = logging.getLogger("adaflash.controlplane")
 API_PREFIX = "/api/v1"
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True) -> Fas
     app.state.settings, app.state.sessions, app.state.engine = settings, sessions, engine
     app.state.policy, app.state.jwt_secret = policy, jwt_secret
     errors.install(app)
+    app.add_middleware(TracingMiddleware)
 
     api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(current_principal)], responses=COMMON_RESPONSES)
     for router in (keys.me, versions.router, versions.promotions, evaluations.router, nodes.router,

@@ -196,10 +196,10 @@ class TenantPolicyIn(Input):
 
 class DeletionIn(Input):
     tenant_id: TenantId
-    scope: DeletionScope
+    scope: DeletionScope = DeletionScope.tenant
     ids: list[Annotated[str, Field(min_length=1, max_length=256, pattern=PRINTABLE)]] = Field(
         default_factory=list, max_length=10000)
-    reason: Reason
+    reason: Reason = "deletion requested"
 
     @model_validator(mode="after")
     def _ids_fit_scope(self) -> DeletionIn:
@@ -208,6 +208,33 @@ class DeletionIn(Input):
         if self.scope != DeletionScope.tenant and not self.ids:
             raise ValueError(f"scope {self.scope.value!r} needs at least one id")
         return self
+
+
+class DeletionAckIn(Input):
+    """A node's or learner's report that it purged the request's tenant from its stores."""
+
+    component: Literal["node", "learner"]
+    instance: NodeId  # the node id, or the learner's learner_id
+    purged: dict[Annotated[str, Field(pattern=ID_PATTERN)], Annotated[int, Strict(), Field(ge=0)]] = Field(
+        default_factory=dict, max_length=64)
+    detail: dict[Annotated[str, Field(pattern=ID_PATTERN)], Any] = Field(default_factory=dict, max_length=64)
+
+
+class DeletionComponentOut(BaseModel):
+    component: str
+    instance: str
+    state: Literal["acked", "waiting"]
+    purged: dict[str, int]
+    detail: dict[str, Any]
+    acked_at: datetime | None
+
+
+class PendingPurgeOut(BaseModel):
+    store: str  # kafka:<topic>
+    reason: str
+    gone_by: datetime
+    retention_ms: int
+    segment_ms: int
 
 
 class DeletionOut(BaseModel):
@@ -221,6 +248,12 @@ class DeletionOut(BaseModel):
     result: dict[str, Any]
     created_at: datetime
     completed_at: datetime | None
+    components: list[DeletionComponentOut] = Field(default_factory=list)
+    waiting_for: list[str] = Field(default_factory=list)  # component:instance not acknowledged yet
+    pending: list[PendingPurgeOut] = Field(default_factory=list)  # purged only by time (Kafka)
+    complete_by: datetime | None = None  # when the last copy is gone (provisional until all acked)
+    provisional: bool = False
+    trained_in_candidates: list[dict[str, Any]] = Field(default_factory=list)
 
 
 # -- audit -----------------------------------------------------------------------------------------------------

@@ -17,6 +17,17 @@ from controlplane.api import create_app  # noqa: E402
 PG_ADMIN_DSN = os.environ.get("ADAFLASH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models run fastest on one intra-op thread; two spin against each other on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def settings(request, tmp_path):
     """SQLite under a fresh home; parametrize indirectly with "postgresql" for a throwaway database."""
@@ -76,3 +87,19 @@ def pg_url():
     finally:
         admin_conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin_conn.close()
+
+
+@pytest.fixture(scope="session")
+def tansu():
+    """A Kafka-compatible broker (Tansu, memory storage) on a free loopback port."""
+    from governance.broker import BrokerError, TansuBroker
+
+    try:
+        broker = TansuBroker()
+        broker.__enter__()
+    except BrokerError as e:
+        pytest.skip(f"no Tansu broker: {e}")
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.__exit__(None, None, None)

@@ -25,7 +25,8 @@ def test_truncated_sharegpt_decoding(tmp_path, monkeypatch):
     got = list(ds.iter_sharegpt(str(p)))
     assert [i for i, _ in got] == list(range(24))
     monkeypatch.setenv("ADAFLASH_SHAREGPT_PATH", str(p))
-    ds._chat_items.cache_clear(); ds._chat_heldout_texts.cache_clear()
+    ds._chat_items.cache_clear()
+    ds._chat_heldout_texts.cache_clear()
     try:
         held = ds.heldout_prompts("chat", 100)
         train = ds.train_texts("chat", 100)
@@ -33,7 +34,8 @@ def test_truncated_sharegpt_decoding(tmp_path, monkeypatch):
         assert len(train) == 21 and all(int(t["id"].split("/")[1]) % 10 for t in train)
         assert train[0]["response"] == "a1"
     finally:
-        ds._chat_items.cache_clear(); ds._chat_heldout_texts.cache_clear()
+        ds._chat_items.cache_clear()
+    ds._chat_heldout_texts.cache_clear()
 
 
 @pytest.mark.parametrize("domain", ["code", "math"])

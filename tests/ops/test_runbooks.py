@@ -17,7 +17,8 @@ API_PATHS = [
     ("GET", r"versions"), ("GET", r"versions/{}"), ("POST", r"versions/{}/approve"),
     ("POST", r"versions/{}/reject"), ("POST", r"versions/{}/rollback"), ("POST", r"versions/{}/pin"),
     ("GET", r"nodes"), ("GET", r"tenants/{}/policy"), ("PUT", r"tenants/{}/policy"),
-    ("POST", r"deletion-requests"), ("GET", r"audit"), ("GET", r"audit/verify"),
+    ("POST", r"deletion-requests"), ("GET", r"deletion-requests/{}"), ("POST", r"deletion-requests/{}/ack"),
+    ("GET", r"audit"), ("GET", r"audit/verify"),
     ("POST", r"keys"), ("DELETE", r"keys/{}"),
 ]
 NODE_PATHS = [("GET", "metrics"), ("GET", "readyz"), ("GET", "healthz"), ("GET", "admin/drafter"),

@@ -1,0 +1,416 @@
+"""``adaflash demo``: held-out traffic through a running stack, adaptation shown live.
+
+1. Before: a fixed measurement set (held-out prompts of every domain) is served under a
+   tenant whose feedback is opted out, so the learner never trains on what is measured;
+   tau (mean accepted tokens per verify round) and tokens/s per domain are recorded.
+2. Adapt: several tenants send other held-out prompts of their domains; their feedback
+   flows to the learner. The terminal shows tau / TPS per domain over the last requests,
+   candidates as they appear in the control plane, their evaluation, gate decision,
+   approval and promotion, until the node serves a new champion.
+3. After: the same measurement set again. A before/after table is printed and written,
+   with a PNG, under $ADAFLASH_HOME/demo (or --out).
+
+Candidates awaiting approval are approved through the admin API unless
+--no-auto-approve (the embedded stack's demo policy approves by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from adaflash.stack import live_status
+
+TENANTS = {"acme": "code", "globex": "math", "initech": "chat"}  # traffic tenant -> its domain
+EVAL_TENANT = "demo-eval"  # measurement traffic: feedback opted out
+FALLBACK_PROMPTS = {
+    "chat": ["Give three tips for a good night's sleep.", "What is the difference between weather and climate?",
+             "Write a short thank-you note to a colleague.", "Explain what a mortgage is in two sentences.",
+             "Suggest a name for a bakery and say why.", "How do I politely decline a meeting?"],
+    "code": ["def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
+             "def fib(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+             "def count_vowels(s: str) -> int:\n    \"\"\"Count the vowels in s.\"\"\"\n",
+             "def flatten(xs: list) -> list:\n    \"\"\"Flatten a nested list.\"\"\"\n"],
+    "math": ["Tom has 12 apples and gives 5 to Ann. How many apples does Tom have left?",
+             "A train travels 60 km per hour for 3 hours. How far does it go?",
+             "Sara buys 4 pens at 3 dollars each. How much does she pay?",
+             "There are 30 students and 6 groups. How many students are in each group?"],
+}
+STATE_ORDER = ("registered", "evaluating", "gate_failed", "awaiting_approval", "approved", "canary", "champion",
+               "retired", "rejected", "expired", "rolled_back")
+
+
+def prompts_by_domain(n_eval: int, n_traffic: int) -> tuple[dict[str, list[str]], dict[str, list[str]], str]:
+    """(measurement prompts, traffic prompts, source) per domain, disjoint."""
+    try:
+        from adaflash.datasets import DOMAINS, heldout_prompts
+
+        ev, tr = {}, {}
+        for d in DOMAINS:
+            rows = [r["prompt"] for r in heldout_prompts(d, n_eval + n_traffic)]
+            if len(rows) < n_eval + 1:
+                raise ValueError(f"too few held-out prompts for {d}")
+            ev[d], tr[d] = rows[:n_eval], rows[n_eval:]
+        return ev, tr, "held-out split of adaflash.datasets"
+    except Exception as e:  # noqa: BLE001 - datasets not installed: the built-in list
+        ev = {d: p[: max(1, len(p) // 2)] for d, p in FALLBACK_PROMPTS.items()}
+        tr = {d: p[max(1, len(p) // 2):] for d, p in FALLBACK_PROMPTS.items()}
+        return ev, tr, f"built-in prompts ({type(e).__name__})"
+
+
+@dataclass
+class Result:
+    domain: str
+    tenant: str
+    ok: bool
+    tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    version: str | None = None
+    error: str = ""
+    at: float = field(default_factory=time.time)
+
+
+def tau_of(results: list[Result]) -> float:
+    rounds = sum(r.rounds for r in results)
+    return (sum(r.accepted for r in results) + rounds) / rounds if rounds else 0.0
+
+
+def tps_of(results: list[Result]) -> float:
+    """Mean tokens/s a client saw per request."""
+    rs = [r.tokens / r.seconds for r in results if r.ok and r.seconds > 0]
+    return sum(rs) / len(rs) if rs else 0.0
+
+
+class Client:
+    def __init__(self, node_url: str, max_tokens: int):
+        self.node_url = node_url
+        self.max_tokens = max_tokens
+        self.http = httpx.Client(timeout=600)
+
+    def complete(self, prompt: str, domain: str, tenant: str) -> Result:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": self.max_tokens,
+                "temperature": 0.0, "domain": domain}
+        t0 = time.monotonic()
+        try:
+            r = self.http.post(f"{self.node_url}/v1/chat/completions", json=body, headers={"X-Tenant-ID": tenant})
+        except httpx.HTTPError as e:
+            return Result(domain, tenant, False, error=type(e).__name__)
+        dt = time.monotonic() - t0
+        if r.status_code != 200:
+            return Result(domain, tenant, False, seconds=dt, error=f"HTTP {r.status_code}")
+        u = r.json()["usage"]
+        spec = u.get("speculative") or {}
+        return Result(domain, tenant, True, tokens=u["completion_tokens"], rounds=spec.get("rounds", 0),
+                      accepted=spec.get("accepted_tokens", 0), seconds=dt, version=spec.get("drafter_version"))
+
+
+def run_batch(client: Client, jobs: list[tuple[str, str, str]], concurrency: int,
+              sink: list[Result], stop: threading.Event | None = None) -> list[Result]:
+    """Serve (prompt, domain, tenant) jobs with ``concurrency`` threads; results also go to ``sink``."""
+    q: queue.Queue = queue.Queue()
+    for j in jobs:
+        q.put(j)
+    out: list[Result] = []
+    lock = threading.Lock()
+
+    def worker():
+        while not (stop and stop.is_set()):
+            try:
+                prompt, domain, tenant = q.get_nowait()
+            except queue.Empty:
+                return
+            res = client.complete(prompt, domain, tenant)
+            with lock:
+                out.append(res)
+                sink.append(res)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+class ControlPlane:
+    def __init__(self, api: str, token: str):
+        self.api = api
+        self.http = httpx.Client(timeout=15, headers={"Authorization": f"Bearer {token}"})
+
+    def get(self, path: str):
+        r = self.http.get(f"{self.api}{path}")
+        r.raise_for_status()
+        return r.json()
+
+    def put(self, path: str, body: dict):
+        r = self.http.put(f"{self.api}{path}", json=body)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, path: str, body: dict):
+        r = self.http.post(f"{self.api}{path}", json=body)
+        r.raise_for_status()
+        return r.json()
+
+
+class Demo:
+    def __init__(self, args, settings):
+        self.args = args
+        self.settings = settings
+        st = live_status(settings)
+        if not st.get("running"):
+            from adaflash.stack import StackError
+
+            raise StackError(f"no running stack under {settings.home}: start one with `adaflash up --detach`")
+        ep = st["endpoints"]
+        if not ep.get("dataplane_url") or not ep.get("controlplane_api"):
+            from adaflash.stack import StackError
+
+            raise StackError("the demo needs a dataplane node and the control plane in the stack")
+        self.ep = ep
+        token = Path(ep["admin_token_file"]).read_text().strip()
+        self.cp = ControlPlane(ep["controlplane_api"], token)
+        self.client = Client(ep["dataplane_url"], args.max_tokens)
+        self.out = Path(args.out) if args.out else Path(settings.home) / "demo"
+        self.missing = {k: v for k, v in (st.get("missing") or {}).items()}
+        self.results: list[Result] = []
+        self.events: deque[str] = deque(maxlen=12)
+        self.versions: dict[str, dict] = {}
+        self.node: dict = {}
+        self.phase = "setup"
+        self.baseline_version: str | None = None
+        self.promoted: str | None = None
+
+    # -- live view
+    def event(self, text: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')}  {text}")
+
+    def view(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        t = Table(title=f"traffic ({self.phase})", title_justify="left")
+        for c in ("domain", "requests", "tau (last 20)", "tok/s (last 20)", "drafter"):
+            t.add_column(c)
+        for d in ("chat", "code", "math"):
+            rs = [r for r in self.results if r.domain == d and r.ok]
+            last = rs[-20:]
+            t.add_row(d, str(len(rs)), f"{tau_of(last):.2f}", f"{tps_of(last):.1f}",
+                      (last[-1].version or "") if last else "")
+        v = Table(title="registry versions", title_justify="left")
+        for c in ("version", "state", "reason"):
+            v.add_column(c)
+        for ver, row in sorted(self.versions.items(), key=lambda kv: _num(kv[0]))[-8:]:
+            v.add_row(ver, row.get("state", ""), (row.get("state_reason") or "")[:60])
+        n = self.node
+        node = (f"node {n.get('node_id', '?')}: serves {n.get('served_version')} (desired {n.get('desired_version')}),"
+                f" live tau {n.get('live_tau') or 0:.2f}, {n.get('live_tps') or 0:.1f} tok/s") if n else "node: -"
+        return Group(t, v, node, "\n".join(self.events) or "(no events yet)")
+
+    # -- control plane polling
+    def poll(self) -> None:
+        try:
+            versions = self.cp.get("/versions?limit=50")
+            nodes = self.cp.get("/nodes")
+        except httpx.HTTPError as e:
+            self.event(f"control plane unreachable: {type(e).__name__}")
+            return
+        for row in versions:
+            ver, state = row["version"], row["state"]
+            old = self.versions.get(ver, {}).get("state")
+            if old != state:
+                if old is None:
+                    self.event(f"candidate {ver} appeared ({state})")
+                else:
+                    self.event(f"version {ver}: {old} -> {state}" + (f" ({row.get('state_reason')})"
+                                                                      if row.get("state_reason") else ""))
+                if state in ("gate_failed", "awaiting_approval", "approved"):
+                    self._gates(ver)
+            self.versions[ver] = row
+        if nodes:
+            n = next((x for x in nodes if x["node_id"] == self.settings.stack.node_id), nodes[0])
+            if self.node and n.get("served_version") != self.node.get("served_version"):
+                self.event(f"node {n['node_id']} now serves {n.get('served_version')}")
+            self.node = n
+        for ver, row in self.versions.items():
+            if row["state"] == "awaiting_approval" and not self.args.no_auto_approve and not row.get("_asked"):
+                row["_asked"] = True
+                try:
+                    self.cp.post(f"/versions/{ver}/approve", {"reason": "adaflash demo: automatic approval"})
+                    self.event(f"version {ver} approved by the demo")
+                except httpx.HTTPError as e:
+                    self.event(f"approving {ver} failed: {e}")
+
+    def _gates(self, ver: str) -> None:
+        try:
+            detail = self.cp.get(f"/versions/{ver}")
+        except httpx.HTTPError:
+            return
+        gates = detail.get("gate_results") or []
+        if gates:
+            failed = [g["name"] for g in gates if not g["passed"]]
+            self.event(f"gates for {ver}: " + ("all passed" if not failed else f"failed {', '.join(failed)}")
+                       + f" (policy {gates[0]['policy_version']})")
+        for a in detail.get("approvals") or []:
+            self.event(f"{ver}: {a['decision']} by {a['actor']}")
+
+    # -- phases
+    def measure(self, prompts: dict[str, list[str]]) -> list[Result]:
+        jobs = [(p, d, EVAL_TENANT) for d, ps in prompts.items() for p in ps]
+        return run_batch(self.client, jobs, self.args.concurrency, self.results)
+
+    def run(self) -> int:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console()
+        n_eval = self.args.requests or 6
+        ev, traffic, source = prompts_by_domain(n_eval, 200)
+        console.print(f"prompts: {source}; measurement set {sum(map(len, ev.values()))} requests "
+                      f"(tenant {EVAL_TENANT}, feedback opted out)")
+        for name, why in self.missing.items():
+            if not why.startswith("external"):
+                console.print(f"[yellow]stack part {name} is missing ({why}): "
+                              f"{'no candidate can appear' if name == 'learner' else 'the loop is incomplete'}"
+                              "[/yellow]")
+        self.cp.put(f"/tenants/{EVAL_TENANT}/policy", {"opt_out": True})
+        for tenant in TENANTS:
+            self.cp.put(f"/tenants/{tenant}/policy", {"sampling_rate": 1.0})
+        self.out.mkdir(parents=True, exist_ok=True)
+        stop = threading.Event()
+        with Live(self.view(), console=console, refresh_per_second=2) as live:
+            poller = threading.Thread(target=self._poll_loop, args=(stop, live), daemon=True)
+            poller.start()
+            self.phase = "before: measuring"
+            before = self.measure(ev)
+            self.baseline_version = _mode([r.version for r in before if r.ok])
+            self.event(f"baseline measured on drafter {self.baseline_version}")
+            self.phase = "adapting: tenant traffic"
+            deadline = time.monotonic() + self.args.timeout
+            cursor = 0
+            while time.monotonic() < deadline and not self._promoted():
+                jobs = []
+                for tenant, d in TENANTS.items():
+                    ps = traffic[d]
+                    for i in range(self.args.concurrency):
+                        jobs.append((ps[(cursor + i) % len(ps)], d, tenant))
+                cursor += self.args.concurrency
+                run_batch(self.client, jobs, self.args.concurrency, self.results)
+            after: list[Result] = []
+            if self.promoted:
+                self.phase = f"after: measuring on {self.promoted}"
+                time.sleep(1.0)
+                after = self.measure(ev)
+            stop.set()
+            poller.join(timeout=5)
+            live.update(self.view())
+        console.print()
+        return self.report(console, before, after, ev)
+
+    def _promoted(self) -> bool:
+        n = self.node
+        served = n.get("served_version")
+        champ = [v for v, row in self.versions.items() if row["state"] == "champion"]
+        if served and served != self.baseline_version and served in champ:
+            self.promoted = served
+            return True
+        return False
+
+    def _poll_loop(self, stop: threading.Event, live) -> None:
+        while not stop.is_set():
+            self.poll()
+            live.update(self.view())
+            stop.wait(2.0)
+
+    # -- report
+    def report(self, console, before: list[Result], after: list[Result], ev: dict[str, list[str]]) -> int:
+        from rich.table import Table
+
+        rows = []
+        for d in ev:
+            b = [r for r in before if r.domain == d and r.ok]
+            a = [r for r in after if r.domain == d and r.ok]
+            rows.append({"domain": d, "n": len(b), "tau_before": tau_of(b), "tau_after": tau_of(a) if a else None,
+                         "tps_before": tps_of(b), "tps_after": tps_of(a) if a else None})
+        allb = [r for r in before if r.ok]
+        alla = [r for r in after if r.ok]
+        rows.append({"domain": "all", "n": len(allb), "tau_before": tau_of(allb),
+                     "tau_after": tau_of(alla) if alla else None, "tps_before": tps_of(allb),
+                     "tps_after": tps_of(alla) if alla else None})
+        t = Table(title=f"before ({self.baseline_version}) / after ({self.promoted or 'no promotion'})",
+                  title_justify="left")
+        for c in ("domain", "requests", "tau before", "tau after", "tok/s before", "tok/s after"):
+            t.add_column(c)
+        for r in rows:
+            t.add_row(r["domain"], str(r["n"]), f"{r['tau_before']:.2f}", _f(r["tau_after"]),
+                      f"{r['tps_before']:.1f}", _f(r["tps_after"], 1))
+        console.print(t)
+        summary = {"baseline_version": self.baseline_version, "promoted_version": self.promoted, "rows": rows,
+                   "versions": {v: {k: x for k, x in row.items() if not k.startswith("_")}
+                                for v, row in self.versions.items()},
+                   "events": list(self.events), "requests": len(self.results),
+                   "errors": sum(1 for r in self.results if not r.ok)}
+        (self.out / "demo.json").write_text(json.dumps(summary, indent=2, default=str))
+        png = self.out / "demo.png"
+        plot(rows, png, self.baseline_version, self.promoted)
+        console.print(f"wrote {png} and {self.out / 'demo.json'}")
+        if not self.promoted:
+            console.print("[yellow]no promotion happened within the timeout; the table shows the baseline only."
+                          " See the registry versions above and `adaflash status`.[/yellow]")
+            return 1
+        return 0
+
+
+def plot(rows: list[dict], path: Path, before: str | None, after: str | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doms = [r["domain"] for r in rows]
+    x = range(len(doms))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "tau", "tau (accepted tokens per round)"), (axes[1], "tps", "tokens/s")):
+        b = [r[f"{key}_before"] for r in rows]
+        a = [r[f"{key}_after"] or 0.0 for r in rows]
+        ax.bar([i - 0.2 for i in x], b, 0.4, label=f"before ({before})")
+        ax.bar([i + 0.2 for i in x], a, 0.4, label=f"after ({after or 'none'})")
+        ax.set_xticks(list(x), doms)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("AdaFlash demo: held-out measurement set before and after promotion")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _mode(xs: list) -> str | None:
+    xs = [x for x in xs if x]
+    return max(set(xs), key=xs.count) if xs else None
+
+
+def _num(v: str):
+    return (0, int(v)) if v.isdigit() else (1, v)
+
+
+def run_demo(args, settings) -> int:
+    from adaflash.cli import CliError
+    from adaflash.stack import StackError
+
+    try:
+        return Demo(args, settings).run()
+    except (StackError, httpx.HTTPError) as e:
+        raise CliError(str(e)) from e

@@ -1,0 +1,128 @@
+"""Kafka plumbing of the learner: the consumer group on the feedback topic and the DLQ.
+
+Offsets are never auto-committed. The service commits an offset only after the
+checkpoint covering every record before it is durable (see learner/checkpoint.py). A
+learner killed between its checkpoint and its Kafka commit re-reads records it has
+already finished with; the checkpoint's de-duplication set (record ids) recognises the
+trained ones. No seek to the checkpoint's own offsets: on the embedded broker a restart
+resets offsets to 0, and record ids, unlike offsets, stay true.
+
+DLQ messages carry the original key and value and headers ``reason`` (a code from
+learner.supervision), ``error`` (the detail), ``source_topic``, ``source_partition``,
+``source_offset``, plus the original traceparent. The DLQ is at-least-once: a record
+sent there by a step that was then killed is sent again on restart; readers
+de-duplicate on (source_partition, source_offset).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka.errors import CommitFailedError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from adaflash.config import KafkaConfig, LearnerConfig
+from adaflash.contracts import HEADER_TRACEPARENT
+
+log = logging.getLogger(__name__)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Runs on the client's I/O thread: must not block on the consumer."""
+
+    def __init__(self, owner: FeedbackConsumer):
+        self.owner = owner
+
+    def on_partitions_revoked(self, revoked):
+        parts = {tp.partition for tp in revoked if tp.topic == self.owner.topic}
+        if parts:
+            self.owner.on_revoked(parts)
+
+    def on_partitions_assigned(self, assigned):
+        log.info("assigned partitions %s", sorted(tp.partition for tp in assigned if tp.topic == self.owner.topic))
+
+
+class FeedbackConsumer:
+    def __init__(self, kafka: KafkaConfig, cfg: LearnerConfig, on_revoked: Callable[[set[int]], None],
+                 client_id: str = "adaflash-learner"):
+        self.topic = kafka.feedback_topic
+        self.dlq_topic = kafka.dlq_topic
+        self.on_revoked = on_revoked
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=kafka.bootstrap, group_id=kafka.consumer_group, client_id=client_id,
+            enable_auto_commit=False, auto_offset_reset="earliest",
+            session_timeout_ms=cfg.session_timeout_ms, heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 3),
+            # A training step holds the poll loop; heartbeats run on their own thread, so the
+            # group keeps the learner while it trains. Allow long steps before it is evicted.
+            max_poll_interval_ms=1_800_000, max_poll_records=cfg.buffer_size)
+        self.consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self.producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", retries=5,
+                                      max_in_flight_requests_per_connection=1, client_id=client_id + "-dlq")
+        self._dlq_futures = []
+
+    def poll(self, timeout_ms: int) -> list:
+        batches = self.consumer.poll(timeout_ms=timeout_ms)
+        return [m for tp in sorted(batches, key=lambda t: t.partition) for m in batches[tp]]
+
+    def assigned(self) -> bool:
+        return bool(self.consumer.assignment())
+
+    def pause(self) -> None:
+        self.consumer.pause(*self.consumer.assignment())
+
+    def resume(self) -> None:
+        self.consumer.resume(*self.consumer.paused())
+
+    def to_dlq(self, msg, reason: str, detail: str) -> None:
+        headers = [("reason", reason.encode()), ("error", detail[:1000].encode()),
+                   ("source_topic", msg.topic.encode()), ("source_partition", str(msg.partition).encode()),
+                   ("source_offset", str(msg.offset).encode())]
+        headers += [(k, v) for k, v in (msg.headers or []) if k == HEADER_TRACEPARENT]
+        self._dlq_futures.append(self.producer.send(self.dlq_topic, key=msg.key, value=msg.value, headers=headers))
+        log.warning("record at %s/%s -> DLQ (%s: %s)", msg.partition, msg.offset, reason, detail[:200])
+
+    def flush_dlq(self, timeout_s: float = 30.0) -> None:
+        """Every DLQ message sent so far is acknowledged (acks=all) before offsets move past it."""
+        self.producer.flush(timeout=timeout_s)
+        for f in self._dlq_futures:
+            f.get(timeout=timeout_s)
+        self._dlq_futures = []
+
+    def commit(self, offsets: dict[int, int]) -> None:
+        """Commit the group's offsets. A commit refused because a rebalance moved the
+        partitions away is logged, not raised: the checkpoint already holds the step."""
+        owned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.topic}
+        offsets = {p: o for p, o in offsets.items() if p in owned}
+        if not offsets:
+            return
+        try:
+            self.consumer.commit({TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1)
+                                  for p, o in offsets.items()})
+        except CommitFailedError as e:
+            log.warning("offset commit refused after a rebalance: %s", e)
+
+    def close(self) -> None:
+        try:
+            self.producer.close(timeout=5)
+        finally:
+            self.consumer.close(autocommit=False)
+
+
+def ensure_topics(kafka: KafkaConfig) -> None:
+    """Create the feedback and DLQ topics if missing (the embedded broker starts empty)."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id="adaflash-learner-admin")
+    try:
+        have = set(admin.list_topics())
+        new = [NewTopic(t, kafka.partitions, 1) for t in (kafka.feedback_topic, kafka.dlq_topic) if t not in have]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()

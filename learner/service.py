@@ -1,0 +1,367 @@
+"""The learner: consume feedback -> buffer -> supervise -> train -> checkpoint -> commit -> publish.
+
+One loop, one step at a time::
+
+    poll the feedback topic
+      tenant deleted (record created up to the request) -> skipped, never used
+      record already trained (checkpointed ``seen``)   -> skip
+      bad schema / unknown target / too long / short   -> DLQ with the reason
+      expired or opted out (tenant policy)             -> dropped, counted
+      else                                             -> replay buffer (share cap, TTL)
+    buffer ready (full, or its oldest record waited max_wait_s)
+      target supervision, ``epochs`` passes of OPD + length head
+      DLQ flushed; checkpoint committed (weights, optimizer, seen, ledger, offsets, lineage)
+      Kafka offsets committed (never past a record still held in the buffer)
+      every ``publish_every`` steps: candidate to MLflow
+
+Exactly once: a record counts as trained when the checkpoint transaction that lists
+it commits, together with the weights it moved. A learner killed anywhere restarts
+from that checkpoint and re-reads from its offsets; a record in a lost step is
+re-read and trained again, but the lost step's weights went with it, so the
+surviving weights saw every record once (``trained`` is the ledger that shows it).
+
+``ADAFLASH_LEARNER_CRASH=phase:step`` kills the process (SIGKILL, no clean-up) at a
+named phase of a step (after_train, after_weights, after_checkpoint, after_commit) so
+recovery can be tested against a real broker.
+
+Deletion requests (learner/deletion.py): between steps the learner purges a deleted
+tenant from its buffer, deferred records and checkpoint ledger and acknowledges it to
+the control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from adaflash.config import Settings
+from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord
+from adaflash.contracts.manifest import Lineage, OffsetRange
+from adaflash.telemetry import (
+    LEARNER,
+    SpanAttrs,
+    Spans,
+    links_from_traceparents,
+    traceparent_from_headers,
+    tracer,
+)
+from dataplane.drafter import Drafter, new_drafter
+from dataplane.drafter_io import load_bundle
+from dataplane.model import TargetModel
+from dataplane.target_cache import ensure_target, target_identity
+from dataplane.tokenizer import Tokenizer
+from learner.buffer import Item, PolicySource, ReplayBuffer, StaticPolicies
+from learner.checkpoint import CheckpointStore, Done
+from learner.supervision import BAD_SCHEMA, Supervisor, Unusable
+from learner.trainer import Trainer
+
+log = logging.getLogger("adaflash.learner")
+_tracer = tracer(__name__, service=LEARNER)
+
+CRASH_ENV = "ADAFLASH_LEARNER_CRASH"
+
+
+def _crash_point(phase: str, step: int) -> None:
+    want = os.environ.get(CRASH_ENV, "")
+    if want and want == f"{phase}:{step}":
+        log.warning("crash point %s reached: SIGKILL", want)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def state_dir(settings: Settings) -> Path:
+    return Path(settings.learner.state_dir) if settings.learner.state_dir else Path(settings.home) / "learner"
+
+
+def policy_source(settings: Settings) -> PolicySource:
+    g, lc = settings.governance, settings.learner
+    if lc.tenant_policy_file:
+        return StaticPolicies.from_file(lc.tenant_policy_file, g.default_ttl_days, g.default_share_cap)
+    return StaticPolicies(ttl_days=g.default_ttl_days, share_cap=g.default_share_cap)
+
+
+def initial_drafter(settings: Settings, target: TargetModel, identity: dict) -> tuple[Drafter, str | None]:
+    """The drafter the learner starts from (before its own checkpoint, if any, is applied)."""
+    path = settings.learner.init_drafter or settings.dataplane.drafter
+    if path:
+        drafter, manifest = load_bundle(path, target, identity)
+        return drafter, manifest.version
+    log.warning("no initial drafter configured: starting from a random one")
+    return new_drafter(target, seed=settings.learner.seed), None
+
+
+class Learner:
+    def __init__(self, settings: Settings, policy: PolicySource | None = None, publisher=None):
+        self.settings = settings
+        self.cfg = settings.learner
+        self.topic = settings.kafka.feedback_topic
+        if settings.model.torch_threads:
+            torch.set_num_threads(settings.model.torch_threads)
+        tdir = ensure_target(settings)
+        self.identity = target_identity(tdir)
+        self.target = TargetModel.from_pretrained(tdir)
+        drafter, parent = initial_drafter(settings, self.target, self.identity)
+        self.drafter = drafter
+        self.supervisor = Supervisor(self.target, Tokenizer(tdir), self.identity, drafter.config.target_layers,
+                                     self.cfg.max_record_tokens, self.cfg.min_response_tokens,
+                                     self.cfg.supervise_chunk_tokens, self.cfg.prompt_format)
+        self.trainer = Trainer(drafter, self.supervisor, self.cfg)
+        self.store = CheckpointStore(state_dir(settings), keep=self.cfg.keep_checkpoints)
+        if self.store.load_into(drafter, self.trainer.opt):
+            log.info("resumed at step %s", self.store.step)
+        elif parent is not None and self.store.meta("parent_version") is None:
+            self.store.set_meta({"parent_version": parent})
+        self.buffer = ReplayBuffer(self.cfg.buffer_size, policy or policy_source(settings), self.cfg.max_wait_s,
+                                   self.cfg.max_deferred)
+        self.publisher = publisher
+        self.consumer = None
+        self.consumed_next: dict[int, int] = {}
+        self.done: list[Done] = []  # records finished without training since the last checkpoint
+        self.dirty = False  # offsets moved past records that need no training (DLQ, skips)
+        self.counters: dict[str, int] = defaultdict(int)
+        self.stop_event = threading.Event()
+        self.deleted = self.store.deleted_before()  # tenant -> its records up to it are refused
+        from learner.deletion import DeletionPoller
+
+        self.deletions = DeletionPoller.from_settings(self)
+        # The consumer's rebalance callbacks run on the client's I/O thread; they take this
+        # lock to touch the buffer.
+        self._lock = threading.RLock()
+
+    # --- Kafka ------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        from learner.consumer import FeedbackConsumer, ensure_topics
+
+        ensure_topics(self.settings.kafka)
+        self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked)
+
+    def _revoked(self, partitions: set[int]) -> None:
+        """Records of partitions we no longer own are forgotten: the next owner re-reads them."""
+        with self._lock:
+            self.buffer.drop_partitions(partitions)
+            for p in partitions:
+                self.consumed_next.pop(p, None)
+
+    def handle(self, msg) -> str:
+        """Route one consumed message; returns its outcome."""
+        with self._lock:
+            return self._handle(msg)
+
+    def _handle(self, msg) -> str:
+        self.consumed_next[msg.partition] = msg.offset + 1
+        try:
+            record = FeedbackRecord.from_bytes(msg.value)
+        except InvalidRecord as e:
+            return self._dlq(msg, BAD_SCHEMA, str(e))
+        cutoff = self.deleted.get(record.tenant_id)
+        if cutoff is not None and record.created_at <= cutoff:
+            self.dirty = True  # offsets may move past it; Kafka retention removes it
+            return self._count("deleted")
+        if self.store.seen(record.record_id):
+            log.info("record %s at %s/%s already trained: skipped", record.record_id, msg.partition, msg.offset)
+            return self._count("already_trained")
+        try:
+            tok = self.supervisor.tokenize(record)
+        except Unusable as e:
+            return self._dlq(msg, e.reason, e.detail)
+        outcome = self.buffer.offer(Item(tok, msg.partition, msg.offset,
+                                         traceparent=traceparent_from_headers(msg.headers)))
+        if outcome in ("expired", "opt_out"):
+            self.done.append(Done(record.record_id, record.tenant_id, outcome, record.created_at.isoformat()))
+            self.dirty = True
+        elif outcome == "duplicate":
+            self.dirty = True
+        return self._count(outcome)
+
+    def _dlq(self, msg, reason: str, detail: str) -> str:
+        self.consumer.to_dlq(msg, reason, detail)
+        self.dirty = True
+        return self._count("dlq:" + reason)
+
+    def _count(self, outcome: str) -> str:
+        self.counters[outcome] += 1
+        return outcome
+
+    def safe_offsets(self) -> dict[int, int]:
+        """Per partition, the next offset to resume from: nothing at or after a held record."""
+        out = dict(self.consumed_next)
+        for it in self.buffer.held():
+            if it.partition in out:
+                out[it.partition] = min(out[it.partition], it.offset)
+        return out
+
+    # --- deletion -----------------------------------------------------------------------------------
+    def purge_tenant(self, tenant_id: str, before) -> tuple[dict[str, int], dict]:
+        """Execute a deletion request: the tenant's records leave every store of the learner.
+
+        Its records created up to ``before`` are refused from now on (persisted); the
+        buffer and deferred records drop them; records finished but not yet checkpointed
+        are forgotten (they would write their ids); the checkpoint replaces their ids by
+        hashes. Returns (store -> count, detail for the acknowledgement)."""
+        with self._lock:
+            ledger = self.store.purge_tenant(tenant_id, before)  # persists the cut-off first
+            self.deleted = self.store.deleted_before()
+            buffered, deferred = self.buffer.purge_tenant(tenant_id)
+            pending = [d for d in self.done if d.tenant_id == tenant_id]
+            self.done = [d for d in self.done if d.tenant_id != tenant_id]
+            if buffered or deferred or pending:
+                self.dirty = True
+        lineage = self.store.meta("lineage_pending") or {}
+        trained_in = bool(ledger["ledger"]) or any(
+            1 for _ in self.store.db.execute("SELECT 1 FROM trained WHERE tenant_id = ? LIMIT 1", (tenant_id,)))
+        detail = {"weights_trained_on_tenant": trained_in,
+                  "unpublished_steps_trained_on_tenant": tenant_id in (lineage.get("tenants") or []),
+                  "parent_version": self.store.meta("parent_version")}
+        purged = {"replay_buffer": buffered, "deferred": deferred, "unfinished": len(pending),
+                  "ledger_ids": ledger["ledger"], "dedup_ids": ledger["seen"]}
+        return purged, detail
+
+    # --- one training step ------------------------------------------------------------------------
+    def step(self) -> dict[str, float] | None:
+        with self._lock:
+            items, gone = self.buffer.take()
+        step = self.store.step + 1
+        links = links_from_traceparents(i.traceparent for i in items)
+        with _tracer.start_as_current_span(Spans.TRAIN_STEP, links=links,
+                                           attributes={SpanAttrs.RECORDS: len(items), "step": step}) as span:
+            metrics = self._step(step, items, gone)
+            for key in ("loss", "head_mae", "clip_ratio", "sim_tau"):
+                if key in metrics:
+                    span.set_attribute(key, metrics[key])
+        if items:
+            self._maybe_publish(step, metrics)
+        return metrics
+
+    def _step(self, step: int, items: list[Item], gone: list[Item]) -> dict[str, float]:
+        done = self.done + [Done(i.record.record_id, i.record.tenant_id, "expired", i.record.created_at.isoformat())
+                            for i in gone]
+        metrics: dict[str, float] = {}
+        if items:
+            t0 = time.monotonic()
+            sups = self.supervisor.supervise([i.tok for i in items])
+            t1 = time.monotonic()
+            metrics = self.trainer.train_buffer(sups, step)
+            metrics.update(supervise_s=t1 - t0, train_s=time.monotonic() - t1)
+            done += [Done(i.record.record_id, i.record.tenant_id, "trained", i.record.created_at.isoformat())
+                     for i in items]
+        _crash_point("after_train", step)
+        self._checkpoint(step, done, items, metrics)
+        if items:
+            log.info("step %s: %d records, loss %.4f, head_mae %.3f, sim_tau %.2f", step, len(items),
+                     metrics.get("loss", float("nan")), metrics.get("head_mae", float("nan")),
+                     metrics.get("sim_tau", float("nan")))
+        return metrics
+
+    def _checkpoint(self, step: int, done: list[Done], items: list[Item], metrics: dict,
+                    new_weights: bool = True) -> None:
+        if self.consumer is not None:
+            self.consumer.flush_dlq()
+        if new_weights:
+            weights = self.store.write_weights(step, self.drafter, self.trainer.opt)
+            _crash_point("after_weights", step)
+        else:
+            weights = self.store.meta("weights")
+        with self._lock:
+            offsets = self.safe_offsets()
+        meta = {"lineage_pending": self._lineage_update(items), "last_metrics": metrics} if items else {}
+        self.store.commit(step, weights, done, self.topic, offsets, meta)
+        self.done, self.dirty = [], False
+        _crash_point("after_checkpoint", step)
+        if self.consumer is not None:
+            self.consumer.commit(offsets)
+        _crash_point("after_commit", step)
+
+    def _lineage_update(self, items: list[Item]) -> dict:
+        lin = self.store.meta("lineage_pending") or {"offsets": {}, "tenants": [], "window": [None, None]}
+        for it in items:
+            key = str(it.partition)
+            lo, hi = lin["offsets"].get(key, [it.offset, it.offset])
+            lin["offsets"][key] = [min(lo, it.offset), max(hi, it.offset)]
+        lin["tenants"] = sorted(set(lin["tenants"]) | {i.record.tenant_id for i in items})
+        times = [i.record.created_at.isoformat() for i in items] + [t for t in lin["window"] if t]
+        lin["window"] = [min(times), max(times)]
+        return lin
+
+    # --- publishing -------------------------------------------------------------------------------
+    def lineage(self) -> Lineage:
+        lin = self.store.meta("lineage_pending") or {"offsets": {}, "tenants": [], "window": [None, None]}
+        return Lineage(topic=self.topic, source="online", parent_version=self.store.meta("parent_version"),
+                       offsets=[OffsetRange(partition=int(p), start=r[0], end=r[1])
+                                for p, r in sorted(lin["offsets"].items(), key=lambda kv: int(kv[0]))],
+                       tenants=lin["tenants"], window_start=lin["window"][0], window_end=lin["window"][1])
+
+    def params(self) -> dict[str, object]:
+        c = self.cfg
+        return {"loss": c.loss, "alpha": c.alpha, "delta": c.delta, "lr_drafter": c.lr_drafter, "lr_head": c.lr_head,
+                "buffer_size": c.buffer_size, "epochs": c.epochs, "grad_accum": c.grad_accum,
+                "anchors_per_record": c.anchors_per_record, "head_label": c.head_label,
+                "block_size": self.drafter.config.block_size}
+
+    def _maybe_publish(self, step: int, metrics: dict[str, float]) -> None:
+        every = self.cfg.publish_every
+        if self.publisher is None or not every or step % every:
+            return
+        with _tracer.start_as_current_span(Spans.PUBLISH, attributes={"step": step}) as span:
+            try:
+                pub = self.publisher.publish(self.drafter, self.lineage(), self.params(), metrics,
+                                             training={"step": step, "ledger_records": len(self.store.ledger())},
+                                             step=step)
+            except Exception as e:  # noqa: BLE001 - registry down: keep training, lineage stays pending
+                log.error("step %s: publishing failed (%s); the next publish carries this lineage", step, e)
+                span.record_exception(e)
+                return
+            span.set_attribute(SpanAttrs.VERSION, pub.version)
+        self.store.set_meta({"parent_version": pub.version, "lineage_pending": None, "published_step": step})
+        log.info("step %s published as version %s (run %s)", step, pub.version, pub.run_id)
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None, exit_when_idle_s: float | None = None) -> int:
+        """Run until stopped, ``max_steps`` steps, or ``exit_when_idle_s`` without records. Returns steps run."""
+        if self.consumer is None:
+            self.connect()
+        steps, idle_since = 0, time.monotonic()
+        try:
+            while not self.stop_event.is_set():
+                if self.deletions is not None:
+                    self.deletions.maybe_tick()
+                msgs = []
+                if self.buffer.wants_more():
+                    self.consumer.resume()
+                    msgs = self.consumer.poll(self.cfg.poll_timeout_ms)
+                else:
+                    self.consumer.pause()
+                for m in msgs:
+                    self.handle(m)
+                if msgs or not self.consumer.assigned():
+                    idle_since = time.monotonic()  # idle only counts once the group gave us partitions
+                if self.buffer.ready():
+                    self.step()
+                    steps += 1
+                    if max_steps is not None and steps >= max_steps:
+                        break
+                elif not msgs and self.dirty:
+                    # move the offsets past DLQ'd and dropped records; the weights do not change
+                    self._checkpoint(self.store.step, self.done, [], {}, new_weights=False)
+                if (exit_when_idle_s is not None and not msgs and not self.buffer.held()
+                        and time.monotonic() - idle_since >= exit_when_idle_s):
+                    break
+        finally:
+            self.close()
+        return steps
+
+    def close(self) -> None:
+        if self.counters:
+            log.info("outcomes: %s; buffer drops: %s", dict(self.counters), dict(self.buffer.dropped))
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
+        if self.deletions is not None:
+            self.deletions.close()
+            self.deletions = None
+        self.store.close()

@@ -1,0 +1,111 @@
+"""Against a real broker and MLflow on SQLite: consume -> train -> checkpoint -> commit -> publish; DLQ."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from adaflash.config import KafkaConfig, LearnerConfig, ModelConfig, Settings, load_config
+from adaflash.telemetry import LEARNER, reset_telemetry, setup_telemetry
+from dataplane.drafter_io import load_bundle
+from learner.checkpoint import CheckpointStore
+from learner.consumer import ensure_topics
+from learner.publish import Publisher
+from learner.service import Learner, state_dir
+from tests.learner.tiny import TARGET_ID, committed, log_ends, make_record, produce, read_all
+
+pytestmark = pytest.mark.services
+
+
+def learner_settings(tmp_path, broker, target_dir, drafter_dir, **learner_kw) -> Settings:
+    tag = uuid.uuid4().hex[:8]
+    lc = dict(buffer_size=4, anchors_per_record=2, max_wait_s=1.0, init_drafter=str(drafter_dir), publish_every=0,
+              max_record_tokens=160, poll_timeout_ms=200)
+    lc.update(learner_kw)
+    return load_config(None, home=tmp_path / "home", model=ModelConfig(path=str(target_dir), target_id=TARGET_ID),
+                    kafka=KafkaConfig(bootstrap=broker.bootstrap, feedback_topic=f"fb-{tag}", dlq_topic=f"dlq-{tag}",
+                                      partitions=2, consumer_group=f"learner-{tag}"),
+                    learner=LearnerConfig(**lc))
+
+
+def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, target_dir, drafter_dir, mlflow_uri):
+    s = learner_settings(tmp_path, broker, target_dir, drafter_dir, publish_every=1)
+    good = [make_record(tenant=t, response=f"reply {i} from {t}.") for i, t in enumerate(["acme", "beta"] * 3)]
+    bad = [("acme", b"not json"), ("acme", json.dumps({"schema_version": 1, "tenant_id": "acme"}).encode()),
+           ("beta", make_record(tenant="beta", target_id="someone-else").to_bytes()),
+           ("beta", make_record(tenant="beta", response="y" * 400).to_bytes())]
+    old = make_record(tenant="acme", created_at=datetime.now(UTC) - timedelta(days=45))  # past the 30-day TTL
+    bad.append(("acme", old.to_bytes()))
+    ensure_topics(s.kafka)
+    produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good] + bad)
+
+    spans = InMemorySpanExporter()
+    s.telemetry.exporter = "memory"
+    setup_telemetry(LEARNER, s, span_exporter=spans)
+    learner = Learner(s)
+    learner.publisher = Publisher(mlflow_uri, learner.identity, tmp_path / "artifacts")
+    steps = learner.run(exit_when_idle_s=2.0)
+    assert steps >= 2
+
+    store = CheckpointStore(state_dir(s))
+    ledger = [rid for rid, _ in store.ledger()]
+    assert sorted(ledger) == sorted(r.record_id for r in good)
+    assert store.seen(old.record_id) and old.record_id not in ledger  # expired: never trained, not re-read
+    # offsets committed to the group only after the checkpoint, and up to the end of the log
+    assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
+        log_ends(broker.bootstrap, s.kafka.feedback_topic, len(good) + len(bad)) == store.offsets(s.kafka.feedback_topic)
+
+    dlq = read_all(broker.bootstrap, s.kafka.dlq_topic, expect=4)
+    reasons = sorted(dict(m.headers)["reason"].decode() for m in dlq)
+    assert reasons == ["bad_schema", "bad_schema", "too_long", "unknown_target"]
+    for m in dlq:
+        h = dict(m.headers)
+        assert h["error"] and h["source_topic"].decode() == s.kafka.feedback_topic and "traceparent" in h
+
+    # every step published a candidate, lineage chained through parent versions
+    client = learner.publisher.client
+    versions = sorted(client.search_model_versions(f"name='adaflash-drafter-{TARGET_ID}'"),
+                      key=lambda v: int(v.version))
+    assert len(versions) == steps
+    last = versions[-1]
+    assert last.tags["adaflash.state"] == "candidate"
+    lineage = json.loads(last.tags["adaflash.lineage"])
+    assert lineage["parent_version"] == str(versions[-2].version) and lineage["topic"] == s.kafka.feedback_topic
+    first = json.loads(versions[0].tags["adaflash.lineage"])
+    assert first["parent_version"] == "1"  # the bundle the learner started from
+    ranges = [(r["partition"], r["start"], r["end"]) for v in versions
+              for r in json.loads(v.tags["adaflash.lineage"])["offsets"]]
+    assert sorted(ranges)[0][1] == 0 and max(e for _, _, e in ranges) == 5  # the six good records, offsets 0..5
+    assert sorted(json.loads(versions[0].tags["adaflash.lineage"])["tenants"]) == ["acme", "beta"]
+    from mlflow.artifacts import download_artifacts
+
+    local = Path(download_artifacts(artifact_uri=last.source, dst_path=str(tmp_path / "dl"), tracking_uri=mlflow_uri))
+    assert sorted(p.name for p in local.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
+    assert hashlib.sha256((local / "manifest.json").read_bytes()).hexdigest() == last.tags["adaflash.manifest_sha256"]
+    drafter, manifest = load_bundle(local, learner.target, learner.identity)
+    assert manifest.lineage.model_dump(mode="json") == lineage and manifest.target.id == TARGET_ID
+    for name, t in drafter.state_dict().items():
+        assert torch.equal(t, learner.drafter.state_dict()[name].detach()), name  # the last step's weights
+    run = client.get_run(last.run_id)
+    assert run.data.params["alpha"] == "0.8" and "head_mae" in run.data.metrics and "clip_ratio" in run.data.metrics
+
+    # traces: each step links to the traces of the records it used; each publish names its version
+    finished = spans.get_finished_spans()
+    steps_spans = [sp for sp in finished if sp.name == "train_step" and sp.attributes["records"]]
+    assert len(steps_spans) == steps and all(sp.links for sp in steps_spans)
+    assert sorted(sp.attributes["version"] for sp in finished if sp.name == "publish") == \
+        sorted(str(v.version) for v in versions)
+    reset_telemetry()
+
+    # a restarted learner trains nothing twice and sends nothing new to the DLQ
+    again = Learner(s)
+    assert again.run(exit_when_idle_s=1.0) == 0
+    store2 = CheckpointStore(state_dir(s))
+    assert len(store2.ledger()) == len(good)

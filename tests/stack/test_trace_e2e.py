@@ -1,0 +1,95 @@
+"""One request's trace across node, broker and learner: the node's request span has scrub
+and produce children, the Kafka record carries the produce span's traceparent, and the
+learner's train step links back into that trace. Real Tansu broker, real scrubber,
+in-memory span exporters per service."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from adaflash.config import KafkaConfig, LearnerConfig, load_config
+from adaflash.telemetry import DATAPLANE, LEARNER, Spans, reset_telemetry, setup_telemetry
+from tests.stack.conftest import BLOCK
+
+pytestmark = pytest.mark.services
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    from governance.broker import TansuBroker
+
+    with TansuBroker(log_path=tmp_path_factory.mktemp("tansu") / "tansu.log") as b:
+        yield b
+
+
+def test_request_trace_reaches_the_learner(tmp_path, broker, tiny_vocab_target, tiny_bundle):
+    from dataplane.model import TargetModel
+    from dataplane.node import Node
+    from dataplane.server import create_app
+    from dataplane.target_cache import target_identity
+    from dataplane.tokenizer import Tokenizer
+    from governance.broker import ensure_topics
+    from governance.emitter import build_emitter
+    from learner.service import Learner
+    from tests.dataplane.conftest import LiveServer
+
+    tag = uuid.uuid4().hex[:8]
+    ident = target_identity(tiny_vocab_target)
+    s = load_config(None, home=tmp_path / "home",
+                    kafka=KafkaConfig(bootstrap=broker.bootstrap, feedback_topic=f"fb-{tag}", dlq_topic=f"dlq-{tag}",
+                                      partitions=2, consumer_group=f"learner-{tag}"),
+                    learner=LearnerConfig(buffer_size=2, anchors_per_record=2, max_wait_s=1.0, publish_every=0,
+                                          init_drafter=str(tiny_bundle), max_record_tokens=400,
+                                          poll_timeout_ms=200))
+    s.model.path, s.model.target_id, s.model.max_model_len = str(tiny_vocab_target), ident["id"], 512
+    s.dataplane.block_size, s.dataplane.drafter = BLOCK, str(tiny_bundle)
+    s.governance.scrubber = "inline"
+    s.telemetry.exporter = "memory"
+    ensure_topics(broker.bootstrap, s, 3_600_000)
+    node_tel = setup_telemetry(DATAPLANE, s)
+    learner_tel = setup_telemetry(LEARNER, s)
+    try:
+        node = Node(s, target=TargetModel.from_pretrained(tiny_vocab_target), tokenizer=Tokenizer(tiny_vocab_target),
+                    target_dir=tiny_vocab_target)
+        node.emitter = build_emitter(s)
+        node.engine.start()
+        ids = []
+        with LiveServer(create_app(node, "tok")) as srv:
+            for tenant in ("acme", "beta"):
+                r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, headers={"X-Tenant-ID": tenant},
+                               json={"messages": [{"role": "user", "content": f"Tell {tenant} about tides."}],
+                                     "max_tokens": 16, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and len([x for x in node_tel.finished_spans()
+                                                       if x.name == Spans.PRODUCE]) < 2:
+                time.sleep(0.1)
+        node.engine.stop()
+        assert node.emitter.close(timeout=30)
+
+        learner = Learner(s)
+        try:
+            steps = learner.run(max_steps=1, exit_when_idle_s=20.0)
+        finally:
+            learner.close()
+        assert steps == 1
+
+        spans = node_tel.finished_spans()
+        step = next(x for x in learner_tel.finished_spans() if x.name == Spans.TRAIN_STEP)
+        linked = {(ln.context.trace_id, ln.context.span_id) for ln in step.links}
+        for rid in ids:
+            root = next(x for x in spans if x.name == Spans.REQUEST and x.attributes.get("request_id") == rid)
+            kids = {x.name: x for x in spans if x.parent is not None and x.parent.span_id == root.context.span_id}
+            assert {Spans.QUEUE, Spans.PREFILL, Spans.SPEC_ROUND, Spans.SCRUB, Spans.PRODUCE} <= set(kids)
+            produce = kids[Spans.PRODUCE]
+            assert produce.attributes["tenant"] == root.attributes["tenant"]
+            # the learner step that trained on this request's record links to its produce span
+            assert (root.context.trace_id, produce.context.span_id) in linked
+        assert step.attributes["records"] == 2
+    finally:
+        reset_telemetry()
