@@ -1,7 +1,6 @@
 """Offline data preparation, training, resume and held-out evaluation on a tiny target."""
 
 import json
-import random
 
 import pytest
 import torch
