@@ -202,7 +202,7 @@ def build_shard(target, tok, spec: StreamSpec, i: int, root: Path, layers: tuple
     labels, hidden = label_sequences(target, seqs, layers)
     n_tok = sum(len(s) for s in seqs)
     meta = {"kind": spec.kind, "domain": spec.domain, "index": i, "ids": ids, "layers": list(layers),
-            "n_seqs": len(seqs), "n_tokens": n_tok, "n_answer_tokens": sum(len(s) - p for s, p in zip(seqs, starts)),
+            "n_seqs": len(seqs), "n_tokens": n_tok, "n_answer_tokens": sum(len(s) - p for s, p in zip(seqs, starts, strict=True)),
             "generated_tokens": gen_tokens, "seconds": round(time.time() - t0, 1)}
     write_shard(path, seqs, starts, labels, hidden, meta)
     return meta

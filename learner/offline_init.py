@@ -36,7 +36,7 @@ def bigram_counts(examples, vocab_index: torch.Tensor | None = None) -> Counter:
     for e in examples:
         t = e.tokens[e.resp_start:-1].tolist()
         lab = e.labels[e.resp_start:-1].tolist()
-        c.update(zip(t, lab))
+        c.update(zip(t, lab, strict=True))
     return c
 
 
