@@ -41,8 +41,8 @@ from adaflash.contracts.registry import (  # noqa: E402
     TAG_MANIFEST_SHA256,
     TAG_POLICY_VERSION,
     TAG_STATE,
-    experiment_name,
 )
+from adaflash.mlflow_store import ensure_experiment, ensure_registered_model, tracking_location  # noqa: E402
 
 PAGE = 200
 
@@ -74,9 +74,7 @@ class VerifiedArtifact:
 
 def tracking_uri(settings: Settings) -> str:
     """Configured tracking URI, or SQLite under $ADAFLASH_HOME (artifacts beside it)."""
-    if settings.controlplane.mlflow_tracking_uri:
-        return settings.controlplane.mlflow_tracking_uri
-    return f"sqlite:///{Path(settings.home) / 'mlflow.db'}"
+    return tracking_location(settings)[0]
 
 
 def _is_missing(e: MlflowException) -> bool:
@@ -94,25 +92,15 @@ class Registry:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Registry:
-        root = None if settings.controlplane.mlflow_tracking_uri else Path(settings.home) / "mlartifacts"
-        return cls(tracking_uri(settings), settings.model.target_id, artifact_root=root)
+        uri, root = tracking_location(settings)
+        return cls(uri, settings.model.target_id, artifact_root=root)
 
     # -- experiment and registered model ---------------------------------------------
     def ensure_experiment(self) -> str:
-        name = experiment_name(self.target_id)
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        location = (self.artifact_root / name).as_uri() if self.artifact_root else None
-        return self.client.create_experiment(name, artifact_location=location)
+        return ensure_experiment(self.client, self.target_id, self.artifact_root)
 
     def ensure_registered_model(self) -> None:
-        try:
-            self.client.get_registered_model(self.model_name)
-        except MlflowException as e:
-            if not _is_missing(e):
-                raise
-            self.client.create_registered_model(self.model_name)
+        ensure_registered_model(self.client, self.model_name)
 
     # -- versions ----------------------------------------------------------------------
     def _wrap(self, mv) -> RegistryVersion:

@@ -29,8 +29,8 @@ from adaflash.contracts.registry import (  # noqa: E402
     TAG_LINEAGE,
     TAG_MANIFEST_SHA256,
     TAG_STATE,
-    experiment_name,
 )
+from adaflash.mlflow_store import ensure_experiment, ensure_registered_model, tracking_location  # noqa: E402
 from dataplane.drafter import Drafter  # noqa: E402
 from dataplane.drafter_io import save_bundle  # noqa: E402
 
@@ -46,13 +46,8 @@ class Published:
 
 
 def tracking_uri(settings: Settings) -> tuple[str, Path | None]:
-    """(tracking URI, local artifact root or None): SQLite + local artifacts under $ADAFLASH_HOME
-    unless controlplane.mlflow_tracking_uri names a server (the same default as the control plane)."""
-    if settings.controlplane.mlflow_tracking_uri:
-        return settings.controlplane.mlflow_tracking_uri, None
-    home = Path(settings.home)
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'mlflow.db'}", home / "mlartifacts"
+    """(tracking URI, local artifact root or None): the same store as the control plane's."""
+    return tracking_location(settings)
 
 
 class Publisher:
@@ -71,23 +66,10 @@ class Publisher:
         return cls(uri, target_identity, root)
 
     def _experiment(self) -> str:
-        name = experiment_name(self.target_id)
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        location = (self.artifact_root / name).as_uri() if self.artifact_root else None
-        return self.client.create_experiment(name, artifact_location=location)
+        return ensure_experiment(self.client, self.target_id, self.artifact_root)
 
     def _registered_model(self) -> None:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self.client.get_registered_model(self.model_name)
-        except MlflowException:
-            try:
-                self.client.create_registered_model(self.model_name)
-            except MlflowException:  # created meanwhile by the control plane
-                pass
+        ensure_registered_model(self.client, self.model_name)
 
     def publish(self, drafter: Drafter, lineage: Lineage, params: Mapping[str, object],
                 metrics: Mapping[str, float], training: Mapping[str, object] | None = None,
