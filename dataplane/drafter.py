@@ -16,7 +16,7 @@ share of the block the target will accept.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -305,10 +305,3 @@ def new_drafter(target: TargetModel, seed: int = 0, **kwargs) -> Drafter:
     d.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
     d.rotary.inv_freq = d.rotary.inv_freq.float()
     return d.bind(target)
-
-
-@dataclass
-class DraftOutput:
-    hidden: torch.Tensor  # [B, k, H]
-    a_hat: torch.Tensor  # [B]
-    extra: dict = field(default_factory=dict)

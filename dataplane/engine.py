@@ -101,8 +101,6 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.cfg and torch.get_num_threads() < 1:
-            torch.set_num_threads(1)
         while not self._stop.is_set():
             busy = self.step()
             if not busy:
@@ -280,11 +278,6 @@ class Engine:
         elif s.cancelled:
             self._finish(s, "cancelled")
         return len(added)
-
-    def finish_by_stop_string(self, s: Sequence) -> None:
-        """Called (on the engine thread, from on_update) when the server saw a stop string."""
-        s.cancelled = True
-        s.finish_reason = "stop"
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> None:
         if s.status == Status.FINISHED:

@@ -160,7 +160,8 @@ class Node:
         save_bundle(self.engine.drafter, directory, self.identity, version=self.engine.drafter_version or "0")
 
     # --- requests ----------------------------------------------------------------------------------
-    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Token ids of a prompt as sent (chat prompts arrive already templated)."""
         return self.tokenizer.encode(prompt)
 
     def new_detokenizer(self, stop: list[str]) -> Detokenizer:

@@ -155,7 +155,7 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
 
     async def _serve(request: Request, req, prompt_text: str, chat: bool):
         tenant = _tenant(request)
-        ids = node.prompt_ids(prompt_text, chat)
+        ids = node.prompt_ids(prompt_text)
         if len(ids) > cfg.max_prompt_tokens:
             raise ApiError(400, f"prompt has {len(ids)} tokens; this node accepts at most {cfg.max_prompt_tokens}",
                            param="prompt" if not chat else "messages", code="context_length_exceeded")

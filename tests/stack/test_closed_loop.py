@@ -254,13 +254,18 @@ def test_hop8_node_serves_the_new_version(loop):
 
     def served():
         n = [x for x in loop.api("GET", "/nodes").json() if x["node_id"] == "node-1"]
-        return n[0] if n and n[0]["served_version"] == loop.champion else None
+        v = n[0]["served_version"] if n else None
+        # the champion, or a later candidate promoted after it (learning goes on)
+        return n[0] if v is not None and v.isdigit() and int(v) >= int(loop.champion) else None
 
     node = wait(served, 120, f"the node to serve {loop.champion}", loop.home)
     assert node["status"] == "ready"
     r = httpx.post(f"{loop.ep['dataplane_url']}/v1/completions", json={"prompt": "Hello", "max_tokens": 8},
                    headers={"X-Tenant-ID": "acme"}, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["speculative"]["drafter_version"] == loop.champion
+    assert r.status_code == 200
+    used = r.json()["usage"]["speculative"]["drafter_version"]
+    # learning goes on: a later candidate may have been promoted since the champion was read
+    assert used == loop.champion or (used in _versions(loop) and int(used) > int(loop.champion)), used
     # and the audit trail of the control plane is intact
     chain = loop.api("GET", "/audit/verify")
     assert chain.status_code == 200 and chain.json()["ok"]
