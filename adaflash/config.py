@@ -131,10 +131,12 @@ class LearnerConfig(BaseModel):
     # that ship the bare user message).
     prompt_format: Literal["as_sent", "chat"] = "as_sent"
     anchors_per_record: int = 8  # training blocks sampled per record and epoch
-    # Length-head labels: "rounds" (the verify rounds a record carries, anchors rebuilt
-    # from them, falling back to simulation) or "simulated" (greedy acceptance of the
-    # current drafter against the target's top-1, computed exactly).
-    head_label: Literal["rounds", "simulated"] = "rounds"
+    # Length-head labels: "simulated" (greedy acceptance of the current drafter over the
+    # whole block against the target's top-1, computed exactly) or "rounds" (the verify
+    # rounds a record carries, anchors rebuilt from them). Rounds are censored at the
+    # k_hat the node chose (a cost-aware node verifies short blocks) and were produced by
+    # an older drafter, so "simulated" is the default.
+    head_label: Literal["rounds", "simulated"] = "simulated"
     publish_every: int = 1  # publish a candidate every N checkpointed steps (0: never)
     init_drafter: str = ""  # bundle to start from; empty: dataplane.drafter, else a random one
     state_dir: str = ""  # empty: $ADAFLASH_HOME/learner

@@ -5,10 +5,22 @@ T tokens over B requests, fitted online by least squares on recent steps, plus t
 drafter's time per drafted request. Speculating for one request pays only if the tokens
 it is expected to gain outweigh the extra verify and draft time it adds:
 
-    gain = (1 + a * (k_hat - 1)) / (1 + extra / ar_share)
+    gain = E[tokens | m] / (1 + extra / ar_share)
 
-where ``a`` is the expected acceptance ratio, ``extra`` the time its k_hat - 1 drafts and
-its drafter share add, and ``ar_share`` its share of a plain one-token step.
+where ``extra`` is the time its m - 1 drafts and its drafter share add, and ``ar_share``
+its share of a plain one-token step.
+
+``best_length`` picks the verified length itself. Acceptance inside a block is modelled
+as geometric with per-position probability p (a draft is kept only if every earlier one
+was, and later positions are kept less often, as PAPER.md measures), p chosen so that
+the expected number of accepted drafts out of k - 1 equals the head's a * (k - 1):
+
+    p + p^2 + ... + p^(k-1) = a * (k - 1)
+    expected tokens of verifying m = 1 + p + ... + p^(m-1)
+
+and m maximises expected tokens per unit of step time. With a weak drafter (E well
+below 1) the first draft can still pay where a verify token is cheap (few requests),
+which the paper's floor(gamma * a * k) rule, made for strong drafters, rounds to 1.
 """
 
 from __future__ import annotations
@@ -47,12 +59,52 @@ class CostModel:
         base, per_req, per_tok = self.coef
         return float(base + per_req * batch + per_tok * tokens)
 
-    def gain(self, accept_ratio: float, k_hat: int, batch: int) -> float:
-        """Expected speed of speculating with k_hat relative to plain decoding, for one request."""
+    @staticmethod
+    def position_accept(accept_ratio: float, k: int) -> float:
+        """Per-position acceptance p whose expected accepted drafts out of k - 1 equal
+        accept_ratio * (k - 1) (bisection on the truncated geometric mean), at most 0.995."""
+        n = k - 1
+        target = min(max(accept_ratio, 0.0), 1.0) * n
+        if target <= 0.0 or n <= 0:
+            return 0.0
+        lo, hi = 0.0, 0.995
+        if CostModel.expected_accepted(hi, n) <= target:
+            return hi
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            if CostModel.expected_accepted(mid, n) < target:
+                lo = mid
+            else:
+                hi = mid
+        return 0.5 * (lo + hi)
+
+    @staticmethod
+    def expected_accepted(p: float, drafts: int) -> float:
+        """Expected accepted drafts out of ``drafts`` under per-position acceptance p:
+        p + p^2 + ... + p^drafts."""
+        if p >= 1.0:
+            return float(drafts)
+        return p * (1.0 - p ** drafts) / (1.0 - p)
+
+    def best_length(self, p: float, cap: int, batch: int) -> tuple[int, float]:
+        """(m, gain) maximising expected tokens per step time over m in 1..cap, for
+        per-position acceptance p.
+
+        gain counts the drafter's share, so a gain below 1 means drafting for this request
+        did not pay even at the best length (the caller backs off); m ignores it, because
+        by the time m is chosen the drafter has already run.
+        """
         base, per_req, per_tok = self.coef
         ar_share = base / max(batch, 1) + per_req + per_tok
-        extra = per_tok * (k_hat - 1) + self.draft_per_request_s
-        return (1.0 + accept_ratio * (k_hat - 1)) / (1.0 + extra / ar_share)
+        best_m, best_rate, tokens = 1, 1.0, 1.0
+        for m in range(2, cap + 1):
+            tokens += p ** (m - 1)
+            rate = tokens / (1.0 + per_tok * (m - 1) / ar_share)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        exp_tokens = 1.0 + self.expected_accepted(p, best_m - 1)
+        gain = exp_tokens / (1.0 + (per_tok * (best_m - 1) + self.draft_per_request_s) / ar_share)
+        return best_m, gain
 
     def snapshot(self) -> dict:
         base, per_req, per_tok = self.coef

@@ -96,7 +96,7 @@ class SpecStep:
         else:
             kh = torch.minimum(k_hat_from(ah, self.k, self.gamma), caps)
             if self.breakeven:
-                kh = self._breakeven(sub, ah, kh, len(seqs))
+                kh = self._breakeven(sub, ah, kh, caps, len(seqs))
         n = int(kh.max())
         if n <= 1:
             for j, i in enumerate(idx):
@@ -118,18 +118,30 @@ class SpecStep:
                 full = drafter.expand_probs(q)
                 probs[i] = torch.cat([full, full.new_zeros(1, full.shape[-1])])  # row k_hat-1 unused
 
-    def _breakeven(self, sub: list[Sequence], ah: torch.Tensor, kh: torch.Tensor, batch: int) -> torch.Tensor:
-        """Verify only the bonus token where speculation is not expected to pay."""
+    def _breakeven(self, sub: list[Sequence], ah: torch.Tensor, kh: torch.Tensor, caps: torch.Tensor,
+                   batch: int) -> torch.Tensor:
+        """Cost-aware verified length (``breakeven``): instead of the paper's k_hat alone, the
+        m in 1..cap that maximises expected tokens per unit of the node's measured step
+        time (m = 1 is plain decoding; see ``CostModel.best_length``).
+
+        The per-position acceptance p comes from gamma * a_hat (calibrated node-wide),
+        blended with the request's own recent rounds (geometric estimate: accepted drafts
+        over accepted drafts + rejections). Where even the best m does not pay for the
+        drafter's share, the request stops drafting for a few rounds (back-off doubling
+        up to MAX_BACKOFF, reset by a good round); this round's draft is already paid for.
+        """
         out = kh.clone()
         for j, s in enumerate(sub):
-            a = float(ah[j]) * self.calib
-            if s.rounds:
-                recent = [r for r in s.rounds[-4:] if r.k_hat > 1]
-                if recent:
-                    seen = sum(r.accepted for r in recent) / sum(r.k_hat - 1 for r in recent)
-                    a = 0.5 * a + 0.5 * seen
-            if int(kh[j]) > 1 and self.cost.gain(a, int(kh[j]), batch) < 1.0:
-                out[j] = 1
+            p = min(0.98, CostModel.position_accept(self.gamma * float(ah[j]), self.k) * self.calib)
+            recent = [r for r in s.rounds[-4:] if r.k_hat > 1]
+            if recent:
+                acc = sum(r.accepted for r in recent)
+                rejections = sum(1 for r in recent if r.accepted < r.k_hat - 1)
+                if acc + rejections:
+                    p = 0.5 * p + 0.5 * acc / (acc + rejections)
+            m, gain = self.cost.best_length(p, int(caps[j]), batch)
+            out[j] = m
+            if gain < 1.0:
                 s.skip_rounds = s.backoff
                 s.backoff = min(MAX_BACKOFF, s.backoff * 2)
         return out
@@ -182,13 +194,14 @@ class SpecStep:
         return accepted, bonus
 
     def _update_calibration(self, plan: StepPlan, accepted: list[int]) -> None:
+        """EMA of realised / predicted accepted drafts over the rounds that drafted."""
         pred = real = 0.0
         for k, a_hat, acc in zip(plan.k_hat, plan.a_hat, accepted, strict=True):
             if k > 1:
-                pred += a_hat
-                real += acc / (k - 1)
+                pred += CostModel.expected_accepted(CostModel.position_accept(self.gamma * a_hat, self.k), k - 1)
+                real += acc
         if pred > 0:
-            self.calib = min(2.0, max(0.05, 0.95 * self.calib + 0.05 * (real / pred)))
+            self.calib = min(4.0, max(0.05, 0.95 * self.calib + 0.05 * (real / pred)))
 
     @staticmethod
     def record_round(seq: Sequence, k_hat: int, accepted: int, a_hat: float) -> None:

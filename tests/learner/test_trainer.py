@@ -123,7 +123,7 @@ def test_head_labels_from_the_records_verify_rounds(supervisor, target):
     assert anchors.tolist() == [P, P + 4, P + 12]  # each round moves the anchor by accepted + 1
     assert labels.tolist() == pytest.approx([2 / 3, 1.0, 0.0])
     # the trainer fits the head to these labels: its error on them shrinks
-    cfg = LearnerConfig(anchors_per_record=2, lr_head=1e-2, epochs=1, grad_accum=1)
+    cfg = LearnerConfig(anchors_per_record=2, lr_head=1e-2, epochs=1, grad_accum=1, head_label="rounds")
     trainer = Trainer(make_drafter(target, seed=4), supervisor, cfg)
     maes = [trainer.train_buffer([sup], step=s)["head_mae"] for s in range(1, 30)]
     assert maes[-1] < maes[0]
