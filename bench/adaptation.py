@@ -1,0 +1,419 @@
+"""``adaflash bench adaptation``: online specialisation of the starter drafter to one narrow domain.
+
+One tenant streams a narrow domain: prompts of the training split that the offline
+stage never used (see ``NARROW_DOMAINS``), answered greedily by the target. Starting from
+the committed starter drafter, each method consumes the same stream, one buffer of
+``records_per_round`` FeedbackRecords per update, through the learner's own code
+(``learner.supervision.Supervisor`` re-tokenizes each record and runs the frozen target;
+``learner.trainer.Trainer`` runs the update with the online length head):
+
+- ``frozen``: no update (the starter as served);
+- ``osd``: forward KL (online speculative decoding, the baseline);
+- ``rkl``: reverse KL alone;
+- ``opd``: full OPD, reverse KL with the entry-wise clip delta and the hard-label
+  mixture alpha (PAPER.md, component 1).
+
+After every update the drafter is scored on held-out prompts of the same domain (the
+held-out split of ``adaflash.datasets``, never streamed):
+
+- ``tau``: greedy mean accepted length at k = block size, by speculative decoding
+  along the target's greedy answer (a draft is accepted while it equals the target's
+  argmax; the anchor then moves by accepted + 1), which is what the engine's ``fixed``
+  mode realises at temperature 0;
+- ``tps_model``: tokens per second of ``adaptive`` at concurrency 1 on the same
+  answers: at every round the cost-aware rule picks the verified length m from the
+  length head's prediction and the node's step-time curve measured at the start of the
+  run, and the round yields min(accepted, m - 1) + 1 tokens for the measured time of
+  verifying m tokens plus the drafter's forward;
+- ``head_mae``: the length head's error against the realised accepted share.
+
+At the end the real engine serves the held-out prompts at concurrency 1 in modes ``ar``
+and ``adaptive`` with the frozen drafter and each method's final drafter, so the speedup
+over ``ar`` is measured, not modelled. Writes result.json and plot.png (a curve like
+PAPER.md's Figure 2(a)).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from adaflash import datasets as ds
+from adaflash.config import LearnerConfig, Settings
+
+METHODS = ("frozen", "osd", "rkl", "opd")
+LOSS_OF = {"osd": "osd", "rkl": "rkl", "opd": "opd"}
+
+
+@dataclass(frozen=True)
+class NarrowDomain:
+    """A tenant's narrow traffic: where its stream and its held-out prompts come from."""
+
+    name: str
+    base: str  # the adaflash.datasets domain
+    description: str
+    stream: Callable[[int], list[dict]]  # n -> training-split prompts never used offline
+    heldout: Callable[[int], list[dict]]  # n -> held-out prompts of the same distribution
+
+
+def _math_stream(n: int) -> list[dict]:
+    # Offline data takes math seeds from 0 upwards (a few thousand at most); the stream
+    # starts far beyond, still inside the training split (seeds < 1,000,000).
+    return ds.train_prompts("math", n, offset=500_000)
+
+
+def _keyword_chat(words: tuple[str, ...], heldout: bool, n: int, skip: int) -> list[dict]:
+    rows = ds.heldout_prompts("chat") if heldout else ds.train_prompts("chat")
+    hits = [r for r in rows if any(w in r["prompt"].lower() for w in words) and len(r["prompt"]) < 600]
+    return hits[skip: skip + n]
+
+
+# Chat prompts used by offline training come from the start of the file; the Python
+# support desk stream skips the first 2,000 training conversations.
+_PY = ("python", "pandas", "numpy", "django", "flask")
+
+NARROW_DOMAINS: dict[str, NarrowDomain] = {
+    "math": NarrowDomain("math", "math", "grade-school word problems of one tutoring tenant (synthetic "
+                         "templates; stream seeds 500,000+, held-out seeds 1,000,000+)",
+                         _math_stream, lambda n: ds.heldout_prompts("math", n)),
+    "python-desk": NarrowDomain("python-desk", "chat", "one support desk's Python questions (ShareGPT "
+                                "conversations mentioning Python libraries)",
+                                lambda n: [r for r in _keyword_chat(_PY, False, n + 400, 0)
+                                           if int(r["id"].rsplit("/", 1)[-1]) >= 2000][:n],
+                                lambda n: _keyword_chat(_PY, True, n, 0)),
+}
+
+
+@dataclass
+class Answered:
+    prompt: dict
+    prompt_text: str  # as the node ships it: the chat template applied
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+# ------------------------------------------------------------------------------- data
+
+
+def _cache_file(cache: Path, target_id: str, domain: str, split: str, n: int, max_tokens: int) -> Path:
+    return cache / "bench" / "adaptation" / target_id / f"{domain}-{split}-n{n}-t{max_tokens}.jsonl"
+
+
+def answer(target, tok, prompts: list[dict], max_tokens: int, cache_file: Path, desc: str,
+           concurrency: int = 32) -> list[Answered]:
+    """The target's greedy answers (our engine, mode ar, batched), cached on disk."""
+    from adaflash.config import DataplaneConfig
+    from dataplane.engine import Engine
+    from dataplane.sequence import SamplingParams, Sequence
+    from learner.data import chat_prefix
+
+    texts = [chat_prefix(tok, p["prompt"]) for p in prompts]
+    ids = [tok.encode(t) for t in texts]
+    if cache_file.is_file():
+        rows = ds.read_jsonl(str(cache_file))
+        if [r["id"] for r in rows] == [p["id"] for p in prompts]:
+            return [Answered(p, t, i, r["output_ids"]) for p, t, i, r in zip(prompts, texts, ids, rows, strict=True)]
+    eng = Engine(target, DataplaneConfig(mode="ar", max_running=concurrency), None,
+                 eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
+    seqs = [Sequence(p["id"], i, params=SamplingParams(max_tokens=max_tokens)) for p, i in zip(prompts, ids, strict=True)]
+    for s in seqs:
+        eng.add(s)
+    with tqdm(total=len(seqs), desc=desc, unit="answer") as bar:
+        done = 0
+        while eng.step():
+            now = sum(1 for s in seqs if s.finished_at is not None)
+            bar.update(now - done)
+            done = now
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    ds.write_jsonl([{"id": p["id"], "output_ids": s.output_ids} for p, s in zip(prompts, seqs, strict=True)],
+                   str(cache_file))
+    return [Answered(p, t, i, s.output_ids) for p, t, i, s in zip(prompts, texts, ids, seqs, strict=True)]
+
+
+def to_record(a: Answered, tok, identity: dict, tenant: str, domain: str):
+    """The FeedbackRecord a node would emit for this answer: the templated prompt and the
+    detokenized answer (special tokens, EOS included, are not part of the text)."""
+    from adaflash.contracts.feedback import FeedbackRecord
+
+    return FeedbackRecord(
+        tenant_id=tenant, node_id="bench", request_id=a.prompt["id"], target_model={"id": identity["id"],
+                                                                                   "sha256": identity["sha256"]},
+        drafter_version="starter", mode="adaptive", sampling={"temperature": 0.0, "top_p": 1.0}, domain=domain,
+        prompt_text=a.prompt_text, response_text=tok.decode(a.output_ids),
+        stats={"tau_mean": 1.0, "verify_tokens": len(a.output_ids), "draft_ms": 0.0, "verify_ms": 0.0})
+
+
+def supervise_trajectories(sup, answered: list[Answered], tok, identity: dict, domain: str) -> list:
+    """Target states along the exact greedy token trajectories (held-out scoring), with no
+    detour through text: prompt ids + answer ids up to, not including, a final EOS."""
+    from learner.supervision import Tokenized
+
+    items = []
+    for a in answered:
+        out = a.output_ids[:-1] if a.output_ids and a.output_ids[-1] == tok.eos_token_id else a.output_ids
+        items.append(Tokenized(to_record(a, tok, identity, "eval", domain), a.prompt_ids + out, len(a.prompt_ids)))
+    return sup.supervise(items)
+
+
+# ------------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class StepCost:
+    """Measured step times of the node at concurrency 1: verify of m tokens, drafter block."""
+
+    verify_s: list[float]  # index m-1
+    draft_s: float
+
+    def as_cost_model(self):
+        """A CostModel fitted to these times (concurrency 1: base + per_token * m)."""
+        import numpy as np
+
+        from dataplane.cost_model import CostModel
+
+        m = np.arange(1, len(self.verify_s) + 1, dtype=float)
+        slope, intercept = np.polyfit(m, np.array(self.verify_s), 1)
+        c = CostModel(base_s=max(intercept, 1e-4), per_request_s=0.0, per_token_s=max(slope, 1e-6),
+                      draft_per_request_s=self.draft_s)
+        return c
+
+
+@torch.inference_mode()
+def measure_cost(target, drafter, prompt_ids: list[int], k: int, repeats: int = 5) -> StepCost:
+    ctx = torch.tensor(prompt_ids, dtype=torch.int64)
+    kv = target.new_cache(len(prompt_ids) + k + 1)
+    target.forward_packed(ctx, [0, len(prompt_ids)], [kv])
+    base = kv.length
+    times = []
+    for m in range(1, k + 1):
+        ts = []
+        for _ in range(repeats):
+            kv.truncate(base)
+            t0 = time.perf_counter()
+            target.forward_packed(ctx[-m:], [0, m], [kv])
+            ts.append(time.perf_counter() - t0)
+        times.append(statistics.median(ts))
+    hid = target.forward_packed(ctx, [0, len(prompt_ids)], [target.new_cache(len(prompt_ids))],
+                                logits_index=torch.empty(0, dtype=torch.int64),
+                                hidden_layers=tuple(drafter.config.target_layers)).hidden
+    dkv = drafter.new_cache(len(prompt_ids) + k)
+    drafter.extend_context(hid, [0, len(prompt_ids)], [dkv])
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        h = drafter.forward_block(ctx[-1:], [dkv])
+        drafter.length_head(h)
+        drafter.logits(h[:, 1:])
+        ts.append(time.perf_counter() - t0)
+    return StepCost(times, statistics.median(ts))
+
+
+@torch.no_grad()
+def score(drafter, sups, cost: StepCost) -> dict:
+    """Held-out tau, modelled adaptive TPS at concurrency 1 and head MAE (see module doc)."""
+    from dataplane.cost_model import CostModel
+    from learner.trainer import greedy_accepted
+
+    cm = cost.as_cost_model()
+    k = drafter.config.block_size
+    was_training = drafter.training
+    drafter.eval()
+    rounds = accepted = first = 0
+    tokens = 0
+    seconds = 0.0
+    errs = []
+    for sup in sups:
+        lo, hi = sup.prompt_len, sup.length - 2
+        if hi < lo:
+            continue
+        anchors = torch.arange(lo, hi + 1)
+        h = drafter.forward_train(sup.ctx_hidden, sup.tokens, anchors)  # [A, k, H]
+        drafts = drafter.to_target_ids(drafter.logits(h[:, 1:]).argmax(-1))
+        acc = greedy_accepted(drafts, sup, anchors).tolist()
+        a_hat = drafter.length_head(h).tolist()
+        # A round at anchor pos commits at most the L - 1 - pos tokens left (the engine caps
+        # the verified length by max_tokens the same way).
+        acc = [min(a, sup.length - 2 - (lo + i)) for i, a in enumerate(acc)]
+        pos = lo
+        while pos <= hi:  # fixed k: the anchor moves by accepted + 1
+            a = acc[pos - lo]
+            rounds += 1
+            accepted += a
+            first += int(a >= 1)
+            errs.append(abs(a_hat[pos - lo] - a / (k - 1)))
+            pos += a + 1
+        pos = lo
+        while pos <= hi:  # adaptive: m from the head and the cost curve
+            a = acc[pos - lo]
+            m, _ = cm.best_length(CostModel.position_accept(a_hat[pos - lo], k), min(k, sup.length - pos), 1)
+            got = min(a, m - 1) + 1
+            tokens += got
+            seconds += cost.verify_s[m - 1] + (cost.draft_s if m > 1 else 0.0)  # m = 1: backed off
+            pos += got
+    drafter.train(was_training)
+    return {"tau": (accepted + rounds) / max(rounds, 1), "acc1": first / max(rounds, 1),
+            "head_mae": sum(errs) / max(len(errs), 1), "tps_model": tokens / seconds if seconds else 0.0,
+            "rounds": rounds}
+
+
+def engine_tps(target, tok, drafter, answered: list[Answered], mode: str, max_tokens: int) -> dict:
+    """Real serving at concurrency 1 (closed loop) on the held-out prompts."""
+    from adaflash.config import DataplaneConfig
+    from bench.throughput import run_closed_loop
+    from dataplane.engine import Engine
+
+    cfg = DataplaneConfig(mode=mode, block_size=drafter.config.block_size if drafter else 16, max_running=1)
+    eng = Engine(target, cfg, drafter if mode != "ar" else None, drafter_version="bench" if mode != "ar" else None,
+                 eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
+    r = run_closed_loop(eng, [a.prompt_ids for a in answered], 1, max_tokens)
+    return {k: r[k] for k in ("tps", "tau", "mean_k_hat", "tokens", "wall_s")} | {"outputs": r["outputs"]}
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_round: int = 8, n_eval: int = 8,
+        max_tokens: int = 96, methods: tuple[str, ...] = METHODS, tps_prompts: int = 4, tps_max_tokens: int = 64,
+        drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
+    from dataplane.drafter_io import load_bundle
+    from dataplane.model import TargetModel
+    from dataplane.node import STARTER_DIR
+    from dataplane.target_cache import ensure_target, target_identity
+    from dataplane.tokenizer import Tokenizer
+    from learner.supervision import Supervisor
+    from learner.trainer import Trainer
+
+    if domain not in NARROW_DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; choose from {sorted(NARROW_DOMAINS)}")
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "frozen" not in methods:
+        raise ValueError(f"methods must include 'frozen' and come from {METHODS}; got {list(methods)}")
+    if rounds < 1 or records_per_round < 1 or n_eval < 1:
+        raise ValueError("--rounds, --records-per-round and --eval-prompts must be positive")
+    nd = NARROW_DOMAINS[domain]
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    tdir = ensure_target(settings)
+    identity = target_identity(tdir)
+    target = TargetModel.from_pretrained(tdir)
+    tok = Tokenizer(tdir)
+    bundle = Path(drafter_dir) if drafter_dir else STARTER_DIR
+    starter, _ = load_bundle(bundle, target, identity)
+    lc = settings.learner.model_copy(update=learner_overrides or {})
+    cache = Path(settings.cache)
+
+    stream_p = nd.stream(rounds * records_per_round)
+    if len(stream_p) < rounds * records_per_round:
+        raise ValueError(f"domain {domain} has only {len(stream_p)} stream prompts for {rounds} x {records_per_round}")
+    eval_p = nd.heldout(n_eval)
+    stream = answer(target, tok, stream_p, max_tokens,
+                    _cache_file(cache, identity["id"], domain, "stream", len(stream_p), max_tokens), "stream answers")
+    held = answer(target, tok, eval_p, max_tokens,
+                  _cache_file(cache, identity["id"], domain, "heldout", len(eval_p), max_tokens), "held-out answers")
+    sup = Supervisor(target, tok, identity, list(starter.config.target_layers), max_tokens=lc.max_record_tokens,
+                     prompt_format="as_sent")
+    records = [to_record(a, tok, identity, f"tenant-{domain}", nd.base) for a in stream]
+    with tqdm(total=2, desc="target supervision", unit="set") as bar:
+        stream_sups = sup.supervise([sup.tokenize(r) for r in records])
+        bar.update()
+        held_sups = supervise_trajectories(sup, held, tok, identity, nd.base)
+        bar.update()
+    cost = measure_cost(target, starter, held[0].prompt_ids + held[0].output_ids[:8], starter.config.block_size)
+
+    frozen = score(starter, held_sups, cost)
+    curves: dict[str, list[dict]] = {"frozen": [{"update": 0, "records": 0, **frozen}]}
+    finals = {"frozen": starter}
+    train_s: dict[str, float] = {}
+    for method in methods:
+        if method == "frozen":
+            continue
+        d = copy.deepcopy(starter)
+        cfg = LearnerConfig(**(lc.model_dump() | {"loss": LOSS_OF[method]}))
+        trainer = Trainer(d, sup, cfg)
+        rows = [{"update": 0, "records": 0, **frozen}]
+        t0 = time.time()
+        for u in tqdm(range(1, rounds + 1), desc=f"{method} updates", unit="update"):
+            buf = stream_sups[(u - 1) * records_per_round: u * records_per_round]
+            parts = trainer.train_buffer(buf, step=u)
+            rows.append({"update": u, "records": u * records_per_round, **score(d, held_sups, cost),
+                         "train": {k: round(v, 5) for k, v in parts.items()}})
+        train_s[method] = round(time.time() - t0, 1)
+        d.eval().requires_grad_(False)
+        curves[method] = rows
+        finals[method] = d
+    for u in range(1, rounds + 1):
+        curves["frozen"].append({"update": u, "records": u * records_per_round, **frozen})
+
+    # The real engine at concurrency 1: ar against adaptive with each final drafter.
+    tps_set = held[:tps_prompts]
+    real = {"ar": engine_tps(target, tok, None, tps_set, "ar", tps_max_tokens)}
+    for name, d in tqdm(list(finals.items()), desc="engine at C=1", unit="drafter"):
+        real[name] = engine_tps(target, tok, d, tps_set, "adaptive", tps_max_tokens)
+    ar_out = real["ar"].pop("outputs")
+    for name, r in real.items():
+        if name != "ar":
+            r["identical_to_ar"] = r.pop("outputs") == ar_out
+            r["speedup_vs_ar"] = r["tps"] / real["ar"]["tps"]
+
+    summary = {}
+    for name, rows in curves.items():
+        best = max(rows, key=lambda r: r["tau"])
+        summary[name] = {"final_tau": rows[-1]["tau"], "final_tau_gain_vs_frozen": rows[-1]["tau"] / frozen["tau"],
+                         "best_tau": best["tau"], "best_update": best["update"],
+                         "first_update_at_1.5x_frozen": next((r["update"] for r in rows
+                                                              if r["tau"] >= 1.5 * frozen["tau"]), None),
+                         "final_tps_model": rows[-1]["tps_model"], "final_head_mae": rows[-1]["head_mae"],
+                         "engine_c1": real.get(name)}
+    result = {
+        "bench": "adaptation", "domain": domain, "domain_description": nd.description, "rounds": rounds,
+        "records_per_round": records_per_round, "stream_tokens": sum(len(a.output_ids) for a in stream),
+        "eval_prompts": len(held), "max_tokens": max_tokens, "block_size": starter.config.block_size,
+        "drafter": str(bundle), "learner": {k: getattr(lc, k) for k in ("alpha", "delta", "lr_drafter", "lr_head",
+                                                                       "epochs", "grad_accum", "anchors_per_record",
+                                                                       "head_label")},
+        "step_cost_c1": {"verify_s": [round(x, 5) for x in cost.verify_s], "draft_s": round(cost.draft_s, 5)},
+        "engine_c1": {"prompts": len(tps_set), "max_tokens": tps_max_tokens, "ar": real["ar"]},
+        "train_seconds": train_s, "summary": summary, "curves": curves,
+        "seconds": round(time.time() - t_start, 1), "torch_threads": torch.get_num_threads(),
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "plot.png")
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    style = {"frozen": ("grey", "--"), "osd": ("tab:blue", "-"), "rkl": ("tab:orange", "-"), "opd": ("tab:red", "-")}
+    ar = result["engine_c1"]["ar"]["tps"]
+    for name, rows in result["curves"].items():
+        c, ls = style.get(name, ("black", "-"))
+        x = [r["records"] for r in rows]
+        ax1.plot(x, [r["tau"] for r in rows], color=c, linestyle=ls, label=name)
+        ax2.plot(x, [r["tps_model"] for r in rows], color=c, linestyle=ls, label=f"{name} (model)")
+        real = result["summary"][name]["engine_c1"]
+        if real:
+            ax2.scatter([x[-1]], [real["tps"]], color=c, marker="o", zorder=3)
+    ax2.axhline(ar, color="black", linewidth=0.8, label=f"ar (engine) {ar:.2f}")
+    ax1.set_xlabel("records streamed")
+    ax1.set_ylabel(f"held-out tau (greedy, k = {result['block_size']})")
+    ax1.set_title(f"adaptation on {result['domain']}")
+    ax2.set_xlabel("records streamed")
+    ax2.set_ylabel("tokens/s at C = 1 (dots: engine)")
+    ax1.legend()
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
