@@ -64,6 +64,11 @@ class DataplaneConfig(BaseModel):
     reconcile_interval_s: float = 5.0
     # Break-even rule: verify a single token (plain decoding) when expected gain < 1.
     breakeven: bool = True
+    # Batch-invariant numerics of the target (dataplane/model.py forward_packed): a token's
+    # logits no longer depend on the other requests in a step nor on how many tokens its
+    # request verifies, so greedy fixed/adaptive equal ar exactly, not up to float near-ties.
+    # Off by default: it costs throughput (README.md, "Lossless").
+    batch_invariant: bool = False
 
 
 class KafkaConfig(BaseModel):

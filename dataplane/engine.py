@@ -36,6 +36,7 @@ class Engine:
                  drafter_version: str | None = None, eos_token_ids: list[int] | None = None,
                  max_model_len: int = 2048, metrics: NodeMetrics | None = None):
         self.target = target
+        self.target.batch_invariant = cfg.batch_invariant
         self.cfg = cfg
         self.mode = cfg.mode
         self.drafter = drafter

@@ -58,6 +58,40 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def chunked_linear(layer: nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``layer(x)`` for x [M, K] computed as matrix products of exactly ``rows`` rows each.
+
+    The BLAS picks its kernel (and how it splits the work between threads) from the
+    shape of the product, so a row's result depends on how many other rows share the
+    product (a vector product for one row, other kernels for few or many rows). Every
+    product here has the same shape, so a row's result depends on that row alone. The
+    last chunk is padded with zero rows; M is usually a multiple of ``rows`` already
+    (the batch-invariant forward pads the whole stream once).
+    """
+    m, k = x.shape
+    pad = (-m) % rows
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, k)])
+    w = layer.weight.t()
+    out = x.new_empty(m + pad, layer.out_features)
+    for i in range(0, m + pad, rows):
+        if layer.bias is None:
+            torch.mm(x[i : i + rows], w, out=out[i : i + rows])
+        else:
+            torch.addmm(layer.bias, x[i : i + rows], w, out=out[i : i + rows])
+    return out[:m] if pad else out
+
+
+def silu_exact(x: torch.Tensor) -> torch.Tensor:
+    """SiLU from exp, division and addition only.
+
+    ``F.silu`` rounds differently on its vectorised path and on its scalar path (the
+    elements left over at the end of a tensor or of a thread's share), so an element's
+    result would depend on the tensor's size; exp, add and divide give the same bits on both.
+    """
+    return x / (1.0 + torch.exp(-x))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -65,5 +99,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        """rows > 0: batch-invariant numerics (products of ``rows`` rows, see chunked_linear)."""
+        if rows:
+            g = chunked_linear(self.gate_proj, x, rows)
+            return chunked_linear(self.down_proj, silu_exact(g) * chunked_linear(self.up_proj, x, rows), rows)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -19,7 +19,13 @@ from torch import nn
 
 from dataplane.attention import attend
 from dataplane.kv_cache import SeqKV
-from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary
+from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary, chunked_linear
+
+# Batch-invariant numerics (DataplaneConfig.batch_invariant): every matrix product over the
+# token stream has exactly this many rows (see layers.chunked_linear); a forward whose
+# requests all start from an empty cache (a prefill) uses the larger size.
+BI_DECODE_ROWS = 8
+BI_PREFILL_ROWS = 64
 
 
 @dataclass
@@ -83,26 +89,44 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int = 0):
         """x [T, H] -> q [T, heads, d], k, v [T, kv_heads, d] with rotary applied."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+        if rows:
+            q, k, v = (chunked_linear(p, x, rows) for p in (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.heads, self.head_dim)
+        k = k.view(T, self.kv_heads, self.head_dim)
+        v = v.view(T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x, cos, sin, layer: int, kvs: list[SeqKV], bounds: list[tuple[int, int, int]]):
-        """x [T, H]; bounds: per request (stream start, stream end, cache start)."""
-        q, k, v = self.qkv(x, cos, sin)
-        out = torch.empty_like(q)
+    def forward(self, x, cos, sin, layer: int, kvs: list[SeqKV], bounds: list[tuple[int, int, int]],
+                rows: int = 0):
+        """x [T, H]; bounds: per request (stream start, stream end, cache start).
+
+        rows > 0: batch-invariant numerics. Products of ``rows`` rows, and each new token of
+        a request that continues a cache attends on its own, to exactly the keys it sees:
+        attention with a causal mask rounds a query differently with the number of masked
+        keys after it, i.e. with how many tokens its request brought in this step. Tokens
+        of a request starting from an empty cache (a prompt) attend together.
+        """
+        q, k, v = self.qkv(x, cos, sin, rows)
+        out = torch.zeros_like(q) if rows else torch.empty_like(q)
         for b, (s, e, start) in enumerate(bounds):
             kv = kvs[b]
             kv.write(layer, start, k[s:e], v[s:e])
+            if rows and start > 0:
+                for i in range(e - s):
+                    kc, vc = kv.view(layer, start + i + 1)
+                    out[s + i : s + i + 1] = attend(q[s + i : s + i + 1], kc, vc, causal=True)
+                continue
             kc, vc = kv.view(layer, start + (e - s))
             out[s:e] = attend(q[s:e], kc, vc, causal=True)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        out = out.reshape(x.shape[0], -1)
+        return chunked_linear(self.o_proj, out, rows) if rows else self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -113,9 +137,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, kvs, bounds):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kvs, bounds)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, layer, kvs, bounds, rows: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kvs, bounds, rows)
+        return x + self.mlp(self.post_attention_layernorm(x), rows)
 
 
 class Backbone(nn.Module):
@@ -143,6 +167,9 @@ class TargetModel(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(a.head_dim, a.rope_theta)
+        # Batch-invariant numerics (see forward_packed); the engine sets it from
+        # DataplaneConfig.batch_invariant.
+        self.batch_invariant = False
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -167,6 +194,7 @@ class TargetModel(nn.Module):
         model.to(device=device, dtype=dtype)
         model.rotary.inv_freq = model.rotary.inv_freq.float()
         model.eval().requires_grad_(False)
+        model.batch_invariant = False
         return model
 
     def new_cache(self, capacity: int = 64) -> SeqKV:
@@ -192,6 +220,13 @@ class TargetModel(nn.Module):
         logits_index [M] int64: stream rows whose next-token logits to return (None: all rows).
         hidden_layers: decoder layer indices (0-based) whose outputs to return.
         Returns logits [M, V] and hidden [T, len(hidden_layers), H].
+
+        With ``batch_invariant`` set, a token's logits and hidden states are bitwise the same
+        whatever else the stream holds: the other requests, and, for a request continuing
+        its cache, how many new tokens it brought (1 in plain decoding, k+1 when verifying).
+        A prompt's tokens (a request starting from an empty cache) are computed together,
+        so they depend on the prompt only. Greedy ar, fixed and adaptive then emit the same
+        tokens exactly. Off, rows round differently with the stream's shape (near-ties may flip).
         """
         return self._forward(input_ids, cu_seqlens, kvs, logits_index, hidden_layers)
 
@@ -204,23 +239,33 @@ class TargetModel(nn.Module):
             bounds.append((s, e, start))
             positions.append(torch.arange(start, start + (e - s)))
         pos = torch.cat(positions).to(input_ids.device)
+        T = input_ids.shape[0]
+        rows = 0
+        if self.batch_invariant:
+            rows = BI_PREFILL_ROWS if all(start == 0 for _, _, start in bounds) else BI_DECODE_ROWS
+            pad = (-T) % rows  # zero rows so every product has ``rows`` rows; attention skips them
+            if pad:
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+                pos = torch.cat([pos, pos.new_zeros(pad)])
         cos, sin = self.rotary.cos_sin(pos)
         x = self.model.embed_tokens(input_ids)
         want: dict[int, list[int]] = {}
         for slot, layer in enumerate(hidden_layers):
             want.setdefault(layer, []).append(slot)
-        hidden = (torch.empty(x.shape[0], len(hidden_layers), x.shape[1], dtype=x.dtype, device=x.device)
+        hidden = (torch.empty(T, len(hidden_layers), x.shape[1], dtype=x.dtype, device=x.device)
                   if hidden_layers else None)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kvs, bounds)
+            x = layer(x, cos, sin, i, kvs, bounds, rows)
             for slot in want.get(i, ()):
-                hidden[:, slot] = x
+                hidden[:, slot] = x[:T]
         for (s, e, start), kv in zip(bounds, kvs, strict=True):
             kv.length = start + (e - s)
         logits = None
         if logits_index is None or logits_index.numel():
-            h = x if logits_index is None else x[logits_index]
-            logits = self.lm_head(self.model.norm(h))
+            h = x[:T] if logits_index is None else x[logits_index]
+            h = self.model.norm(h)
+            # Few rows want logits (one per request in a prefill): the small size suffices.
+            logits = chunked_linear(self.lm_head, h, BI_DECODE_ROWS) if rows else self.lm_head(h)
         return ForwardOutput(logits=logits, hidden=hidden)
 
 

@@ -7,6 +7,9 @@ first differing position are within 1e-3 of each other. The same exception appli
 between modes: in float32 on CPU a row's matrix products can round differently when the
 packed stream has another shape (the BLAS kernel changes with the number of rows), so a
 token whose two best logits tie to 1e-5 may flip; every such case is printed.
+
+With ``dataplane.batch_invariant`` on, a token's logits no longer depend on the shape of
+the step, and fixed and adaptive equal ar exactly: no near-tie is tolerated.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ def prompt_ids(real_tokenizer):
     return [tok.encode(tok.apply_chat([{"role": "user", "content": r["prompt"]}]))[:400] for r in rows]
 
 
-def _run(target, mode, drafter, ids, concurrency, eos):
-    engine = Engine(target, DataplaneConfig(mode=mode, max_running=concurrency), drafter=drafter,
-                    drafter_version="v" if drafter else None, eos_token_ids=[eos], max_model_len=1024)
+def _run(target, mode, drafter, ids, concurrency, eos, batch_invariant=False):
+    cfg = DataplaneConfig(mode=mode, max_running=concurrency, batch_invariant=batch_invariant)
+    engine = Engine(target, cfg, drafter=drafter, drafter_version="v" if drafter else None, eos_token_ids=[eos],
+                    max_model_len=1024)
     seqs = [Sequence(request_id=str(i), prompt_ids=p, params=SamplingParams(max_tokens=MAX_TOKENS))
             for i, p in enumerate(ids)]
     for s in seqs:
@@ -83,6 +87,27 @@ def test_speculative_modes_equal_ar(real_target, real_tokenizer, prompt_ids, ar_
                 print(f"near-ties {name}/{mode}/C={concurrency} (prompt, position, logit gap): {ties}")
             if mode == "fixed":
                 assert sum(r.k_hat for s in seqs for r in s.rounds) > sum(len(s.rounds) for s in seqs)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs_invariant(real_target, real_tokenizer, prompt_ids):
+    return _run(real_target, "ar", None, prompt_ids, 32, real_tokenizer.eos_token_id, batch_invariant=True)[0]
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_speculative_modes_equal_ar_exactly_with_batch_invariant_numerics(real_target, real_tokenizer, prompt_ids,
+                                                                          ar_outputs_invariant, concurrency):
+    eos = real_tokenizer.eos_token_id
+    try:
+        for name, drafter in _drafters(real_target):
+            for mode in ("fixed", "adaptive"):
+                outs, seqs = _run(real_target, mode, drafter, prompt_ids, concurrency, eos, batch_invariant=True)
+                differ = [i for i, (a, b) in enumerate(zip(outs, ar_outputs_invariant, strict=True)) if a != b]
+                assert differ == [], f"{name}/{mode}/C={concurrency}: prompts {differ} differ from ar"
+                if mode == "fixed":
+                    assert sum(r.k_hat for s in seqs for r in s.rounds) > sum(len(s.rounds) for s in seqs)
+    finally:
+        real_target.batch_invariant = False  # the session's target is shared with other tests
 
 
 def test_ar_equals_transformers_greedy_except_named_near_ties(real_target_dir, real_tokenizer, prompt_ids,
