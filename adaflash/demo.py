@@ -193,6 +193,7 @@ class Demo:
         self.log: list[str] = []  # every event (the live view shows the last ones)
         self.plain = False  # not a terminal: events as plain lines instead of a live view
         self.started = time.monotonic()
+        self.promoted_evt = threading.Event()  # set by the poller: stop the traffic batch early
 
     # -- live view
     def event(self, text: str) -> None:
@@ -308,13 +309,14 @@ class Demo:
             self.event(f"tenant traffic until a new champion serves (deadline {self.args.timeout:.0f}s)")
             cursor, last_note = 0, time.monotonic()
             while time.monotonic() < deadline and not self._promoted():
+                self.promoted_evt.clear()
                 jobs = []
                 for tenant, d in TENANTS.items():
                     ps = traffic[d]
                     for i in range(self.args.concurrency):
                         jobs.append((ps[(cursor + i) % len(ps)], d, tenant))
                 cursor += self.args.concurrency
-                run_batch(self.client, jobs, self.args.concurrency, self.results)
+                run_batch(self.client, jobs, self.args.concurrency, self.results, stop=self.promoted_evt)
                 if self.plain and time.monotonic() - last_note > 60:
                     last_note = time.monotonic()
                     self.event(self.progress_line())
@@ -343,10 +345,15 @@ class Demo:
                 have = self.cp.get(f"/tenants/{tenant}/policy")
             except httpx.HTTPError:
                 have = {}
+            if tenant != EVAL_TENANT and have.get("opt_out"):
+                console.print(f"[yellow]tenant {tenant} is opted out: its traffic gives no feedback (left as is)"
+                              "[/yellow]")
+                continue
             if any(have.get(k) != v for k, v in want.items()):
-                self.cp.put(f"/tenants/{tenant}/policy", want)
+                body = {k: v for k, v in have.items() if k != "tenant_id"} | want  # PUT stores the whole policy
+                self.cp.put(f"/tenants/{tenant}/policy", body)
                 changed = True
-        if changed:
+        if changed and self.settings.governance.feedback_enabled:
             wait = self.settings.governance.policy_ttl_s + 2.0
             console.print(f"tenant policies set; waiting {wait:.0f}s for the node to pick them up "
                           "(governance.policy_ttl_s)")
@@ -382,6 +389,8 @@ class Demo:
     def _poll_loop(self, stop: threading.Event, live) -> None:
         while not stop.is_set():
             self.poll()
+            if self.baseline_version and self._promoted():
+                self.promoted_evt.set()
             live.update(self.view())
             stop.wait(2.0)
 
@@ -408,6 +417,9 @@ class Demo:
             t.add_row(r["domain"], str(r["n"]), f"{r['tau_before']:.2f}", _f(r["tau_after"]),
                       f"{r['tps_before']:.1f}", _f(r["tps_after"], 1))
         console.print(t)
+        console.print(f"tau: committed tokens per verify round (1.00 = every round verified one token). tok/s: "
+                      f"mean per request at concurrency {self.args.concurrency}; the learner and the shadow "
+                      "evaluation share this machine's CPU and may be busy during either measurement.")
         hist = Table(title="candidates", title_justify="left")
         for c in ("version", "state", "reason"):
             hist.add_column(c)
