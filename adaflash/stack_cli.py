@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--requests", type=int, default=None, help="requests per phase (default: by domain count)")
     demo.add_argument("--concurrency", type=int, default=8, help="concurrent requests (default 8)")
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--timeout", type=float, default=900.0,
-                      help="deadline in seconds for a promotion during tenant traffic (default 900)")
+    demo.add_argument("--timeout", type=float, default=1200.0,
+                      help="deadline in seconds for a promotion during tenant traffic (default 1200)")
     demo.add_argument("--out", default=None, help="directory for the PNG and JSON (default $ADAFLASH_HOME/demo)")
     demo.add_argument("--no-auto-approve", action="store_true",
                       help="do not approve candidates that await approval (the demo policy approves)")
