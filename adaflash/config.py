@@ -236,6 +236,13 @@ class StackConfig(BaseModel):
     ready_timeout_s: float = 900.0  # a part not ready by then is killed and restarted
     stop_timeout_s: float = 10.0  # SIGTERM, then SIGKILL after this many seconds
     probe_interval_s: float = 5.0  # health probes of ready parts
+    # Learner settings of the embedded stack, applied unless the learner section (config
+    # file or ADAFLASH_LEARNER__*) sets them: on a few CPU cores a real-model step costs
+    # seconds per record and anchor (target scoring of the drafter's blocks), so the
+    # embedded learner trains smaller buffers, fewer anchors, sooner, to publish a
+    # candidate within minutes. Empty: the learner's own defaults.
+    learner_overrides: dict[str, Any] = Field(default_factory=lambda: {
+        "buffer_size": 16, "anchors_per_record": 4, "max_wait_s": 45.0})
 
 
 class _YamlSource(PydanticBaseSettingsSource):

@@ -189,10 +189,19 @@ class Demo:
         self.phase = "setup"
         self.baseline_version: str | None = None
         self.promoted: str | None = None
+        self.node_drafter: dict = {}
+        self.log: list[str] = []  # every event (the live view shows the last ones)
+        self.plain = False  # not a terminal: events as plain lines instead of a live view
+        self.started = time.monotonic()
+        self.promoted_evt = threading.Event()  # set by the poller: stop the traffic batch early
 
     # -- live view
     def event(self, text: str) -> None:
-        self.events.append(f"{time.strftime('%H:%M:%S')}  {text}")
+        line = f"{time.strftime('%H:%M:%S')}  {text}"
+        self.events.append(line)
+        self.log.append(line)
+        if self.plain:
+            print(line, flush=True)
 
     def view(self):
         from rich.console import Group
@@ -273,6 +282,7 @@ class Demo:
         from rich.live import Live
 
         console = Console()
+        self.plain = not console.is_terminal
         n_eval = self.args.requests or 6
         ev, traffic, source = prompts_by_domain(n_eval, 200)
         console.print(f"prompts: {source}; measurement set {sum(map(len, ev.values()))} requests "
@@ -282,39 +292,90 @@ class Demo:
                 console.print(f"[yellow]stack part {name} is missing ({why}): "
                               f"{'no candidate can appear' if name == 'learner' else 'the loop is incomplete'}"
                               "[/yellow]")
-        self.cp.put(f"/tenants/{EVAL_TENANT}/policy", {"opt_out": True})
-        for tenant in TENANTS:
-            self.cp.put(f"/tenants/{tenant}/policy", {"sampling_rate": 1.0})
+        self.set_policies(console)
         self.out.mkdir(parents=True, exist_ok=True)
         stop = threading.Event()
-        with Live(self.view(), console=console, refresh_per_second=2) as live:
+        live_cm = _NoLive() if self.plain else Live(self.view(), console=console, refresh_per_second=2)
+        with live_cm as live:
             poller = threading.Thread(target=self._poll_loop, args=(stop, live), daemon=True)
             poller.start()
             self.phase = "before: measuring"
+            self.event(f"measuring the baseline: {sum(map(len, ev.values()))} requests")
             before = self.measure(ev)
             self.baseline_version = _mode([r.version for r in before if r.ok])
-            self.event(f"baseline measured on drafter {self.baseline_version}")
+            self.event(f"baseline measured on drafter {self.baseline_version}; tau {tau_of(before):.2f}")
             self.phase = "adapting: tenant traffic"
             deadline = time.monotonic() + self.args.timeout
-            cursor = 0
+            self.event(f"tenant traffic until a new champion serves (deadline {self.args.timeout:.0f}s)")
+            cursor, last_note = 0, time.monotonic()
             while time.monotonic() < deadline and not self._promoted():
+                self.promoted_evt.clear()
                 jobs = []
                 for tenant, d in TENANTS.items():
                     ps = traffic[d]
                     for i in range(self.args.concurrency):
                         jobs.append((ps[(cursor + i) % len(ps)], d, tenant))
                 cursor += self.args.concurrency
-                run_batch(self.client, jobs, self.args.concurrency, self.results)
+                run_batch(self.client, jobs, self.args.concurrency, self.results, stop=self.promoted_evt)
+                if self.plain and time.monotonic() - last_note > 60:
+                    last_note = time.monotonic()
+                    self.event(self.progress_line())
             after: list[Result] = []
             if self.promoted:
+                self.node_drafter = self.node_admin_drafter()
+                self.event(f"{self.promoted} is champion; the node's /admin/drafter reports "
+                           f"{self.node_drafter.get('version')} after {_dur(time.monotonic() - self.started)}")
                 self.phase = f"after: measuring on {self.promoted}"
-                time.sleep(1.0)
                 after = self.measure(ev)
+            else:
+                self.event(f"deadline of {self.args.timeout:.0f}s passed without a promotion")
             stop.set()
             poller.join(timeout=5)
+            self.poll()
             live.update(self.view())
         console.print()
         return self.report(console, before, after, ev)
+
+    def set_policies(self, console) -> None:
+        """Opt the measurement tenant out and sample every traffic tenant; wait until the
+        node's cached tenant policies expire, so no measurement request becomes feedback."""
+        changed = False
+        for tenant, want in [(EVAL_TENANT, {"opt_out": True})] + [(t, {"sampling_rate": 1.0}) for t in TENANTS]:
+            try:
+                have = self.cp.get(f"/tenants/{tenant}/policy")
+            except httpx.HTTPError:
+                have = {}
+            if tenant != EVAL_TENANT and have.get("opt_out"):
+                console.print(f"[yellow]tenant {tenant} is opted out: its traffic gives no feedback (left as is)"
+                              "[/yellow]")
+                continue
+            if any(have.get(k) != v for k, v in want.items()):
+                body = {k: v for k, v in have.items() if k != "tenant_id"} | want  # PUT stores the whole policy
+                self.cp.put(f"/tenants/{tenant}/policy", body)
+                changed = True
+        if changed and self.settings.governance.feedback_enabled:
+            wait = self.settings.governance.policy_ttl_s + 2.0
+            console.print(f"tenant policies set; waiting {wait:.0f}s for the node to pick them up "
+                          "(governance.policy_ttl_s)")
+            time.sleep(wait)
+
+    def node_admin_drafter(self) -> dict:
+        """The node's own view of what it serves (GET /admin/drafter, admin key)."""
+        try:
+            r = self.cp.http.get(f"{self.ep['dataplane_url']}/admin/drafter")
+            r.raise_for_status()
+            return r.json()
+        except httpx.HTTPError as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def progress_line(self) -> str:
+        rs = [r for r in self.results if r.ok and r.tenant != EVAL_TENANT]
+        states = {}
+        for row in self.versions.values():
+            states[row["state"]] = states.get(row["state"], 0) + 1
+        return (f"{_dur(time.monotonic() - self.started)}: {len(rs)} tenant requests, tau (last 30) "
+                f"{tau_of(rs[-30:]):.2f}; versions {states or 'none yet'}; node serves "
+                f"{self.node.get('served_version')}")
 
     def _promoted(self) -> bool:
         n = self.node
@@ -328,6 +389,8 @@ class Demo:
     def _poll_loop(self, stop: threading.Event, live) -> None:
         while not stop.is_set():
             self.poll()
+            if self.baseline_version and self._promoted():
+                self.promoted_evt.set()
             live.update(self.view())
             stop.wait(2.0)
 
@@ -354,18 +417,39 @@ class Demo:
             t.add_row(r["domain"], str(r["n"]), f"{r['tau_before']:.2f}", _f(r["tau_after"]),
                       f"{r['tps_before']:.1f}", _f(r["tps_after"], 1))
         console.print(t)
-        summary = {"baseline_version": self.baseline_version, "promoted_version": self.promoted, "rows": rows,
+        console.print(f"tau: committed tokens per verify round (1.00 = every round verified one token). tok/s: "
+                      f"mean per request at concurrency {self.args.concurrency}; the learner and the shadow "
+                      "evaluation share this machine's CPU and may be busy during either measurement.")
+        hist = Table(title="candidates", title_justify="left")
+        for c in ("version", "state", "reason"):
+            hist.add_column(c)
+        for ver, row in sorted(self.versions.items(), key=lambda kv: _num(kv[0])):
+            hist.add_row(ver, row.get("state", ""), (row.get("state_reason") or "")[:90])
+        if self.versions:
+            console.print(hist)
+        elapsed = time.monotonic() - self.started
+        after_versions = sorted({r.version for r in after if r.ok and r.version})
+        if self.promoted:
+            console.print(f"promotion: {self.baseline_version} -> {self.promoted} (node /admin/drafter: "
+                          f"{self.node_drafter.get('version')}; after-measurement served by "
+                          f"{', '.join(after_versions) or '-'}); demo took {_dur(elapsed)}")
+        summary = {"baseline_version": self.baseline_version, "promoted_version": self.promoted,
+                   "node_admin_drafter": self.node_drafter, "after_served_by": after_versions,
+                   "elapsed_s": round(elapsed, 1), "rows": rows,
                    "versions": {v: {k: x for k, x in row.items() if not k.startswith("_")}
                                 for v, row in self.versions.items()},
-                   "events": list(self.events), "requests": len(self.results),
+                   "events": self.log, "requests": len(self.results),
                    "errors": sum(1 for r in self.results if not r.ok)}
         (self.out / "demo.json").write_text(json.dumps(summary, indent=2, default=str))
         png = self.out / "demo.png"
         plot(rows, png, self.baseline_version, self.promoted)
         console.print(f"wrote {png} and {self.out / 'demo.json'}")
         if not self.promoted:
-            console.print("[yellow]no promotion happened within the timeout; the table shows the baseline only."
-                          " See the registry versions above and `adaflash status`.[/yellow]")
+            states = sorted({row.get("state", "") for row in self.versions.values()})
+            console.print(f"[yellow]no promotion within the deadline ({self.args.timeout:.0f}s, --timeout): "
+                          f"{len(self.versions)} candidate(s) appeared (states: {', '.join(states) or 'none'}); "
+                          "the table shows the baseline only. See the candidates above, the learner log under "
+                          "$ADAFLASH_HOME/logs and `adaflash status`.[/yellow]")
             return 1
         return 0
 
@@ -391,6 +475,24 @@ def plot(rows: list[dict], path: Path, before: str | None, after: str | None) ->
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+class _NoLive:
+    """Stands in for rich's Live when the output is not a terminal (events print as lines)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, *_) -> None:
+        return None
+
+
+def _dur(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 60}m{s % 60:02d}s"
 
 
 def _f(x: float | None, nd: int = 2) -> str:

@@ -415,6 +415,7 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
 
             def lbefore(svc: Service, cp_url=cp_url, learner_token=learner_token) -> None:
                 ensure_node_key(cp_url, admin_token, learner_token, settings.learner.learner_id, role="learner")
+        lenv.update(learner_override_env(settings))
         services.append(Service("learner", _cli(config, "learner"), lenv, lambda: (True, "running"),
                                 before_start=lbefore))
     for s in services:
@@ -439,6 +440,18 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
 
 
 DEMO_POLICY = Path(__file__).resolve().parent / "demo_policy.yaml"
+
+
+def learner_override_env(settings: Settings) -> dict[str, str]:
+    """``stack.learner_overrides`` as ADAFLASH_LEARNER__* variables, leaving out every field
+    the learner section already sets (config file or environment)."""
+    fields = type(settings.learner).model_fields
+    unknown = [k for k in settings.stack.learner_overrides if k not in fields]
+    if unknown:
+        raise StackError(f"stack.learner_overrides: unknown learner setting(s) {', '.join(unknown)}")
+    explicit = settings.learner.model_fields_set
+    return {f"ADAFLASH_LEARNER__{k.upper()}": str(v) for k, v in settings.stack.learner_overrides.items()
+            if k not in explicit}
 
 
 def gate_policy_file(settings: Settings) -> str:

@@ -42,9 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="drive held-out multi-tenant traffic through a running stack and show "
                                        "adaptation, gating and promotion live")
     demo.add_argument("--requests", type=int, default=None, help="requests per phase (default: by domain count)")
-    demo.add_argument("--concurrency", type=int, default=4)
+    demo.add_argument("--concurrency", type=int, default=8, help="concurrent requests (default 8)")
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--timeout", type=float, default=1800.0, help="give up waiting for a promotion after S")
+    demo.add_argument("--timeout", type=float, default=1200.0,
+                      help="deadline in seconds for a promotion during tenant traffic (default 1200)")
     demo.add_argument("--out", default=None, help="directory for the PNG and JSON (default $ADAFLASH_HOME/demo)")
     demo.add_argument("--no-auto-approve", action="store_true",
                       help="do not approve candidates that await approval (the demo policy approves)")
@@ -89,8 +90,10 @@ def render_table(state: dict):
 
     now = time.time()
     t = Table(title=f"AdaFlash stack: {state.get('phase', '?')}", title_justify="left", expand=False)
+    # the detail column gives way first; the others keep their width on narrow terminals
+    widths = {"part": 12, "state": 10, "pid": 7, "endpoint": 21, "restarts": 8, "up": 6, "detail": 8}
     for col in ("part", "state", "pid", "endpoint", "restarts", "up", "detail"):
-        t.add_column(col, no_wrap=True, overflow="ellipsis", min_width=8 if col == "detail" else None)
+        t.add_column(col, no_wrap=True, overflow="ellipsis", min_width=widths[col])
     for name, p in (state.get("processes") or {}).items():
         st = p.get("state", "?")
         up = ""
@@ -126,6 +129,8 @@ def cmd_up(args, settings) -> int:
 
     parts = _parts(args, settings)
     console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 140)
     if args.detach:
         state = stack.read_state(settings)
         sup = (state or {}).get("supervisor") or {}
@@ -223,7 +228,10 @@ def cmd_status(args, settings) -> int:
         if st.get("phase") == "absent":
             print(f"no stack under {st['endpoints']['state_dir']} (start one with `adaflash up`)")
         else:
-            Console().print(render_table(st))
+            console = Console()
+            if not console.is_terminal:  # piped: no terminal width to fit, keep every column
+                console.width = max(console.width, 140)
+            console.print(render_table(st))
             missing = {k: v for k, v in (st.get("missing") or {}).items() if v != "not selected"}
             for k, v in missing.items():
                 print(f"  {k}: {v}")

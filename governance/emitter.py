@@ -82,6 +82,8 @@ class _Metrics:
                                ["tenant", "reason"], registry=self.registry)
         self.queue_depth = Gauge("adaflash_feedback_queue_depth", "Records waiting for a worker",
                                  registry=self.registry)
+        self.spool_records = Gauge("adaflash_feedback_spool_records",
+                                   "Records in the local spool (broker unreachable or behind)", registry=self.registry)
 
 
 class FeedbackEmitter:
@@ -113,6 +115,9 @@ class FeedbackEmitter:
         self._active: Counter[str] = Counter()  # per tenant: records a worker is processing now
         self._usage_flushed_at = time.monotonic()
         self.metrics = _Metrics(registry)
+        spool = getattr(sink, "spool", None)
+        if spool is not None:
+            self.metrics.spool_records.set_function(lambda: len(spool))
         # Scrubbing runs on its own threads so a hung scrub can be abandoned: the worker
         # stops waiting after scrub_timeout_s. A bounded pool keeps hung scrubs bounded.
         self._scrub_pool = ThreadPoolExecutor(max_workers=2 * self.n_workers, thread_name_prefix="scrub")

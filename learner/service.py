@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+import dataplane
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord
 from adaflash.contracts.manifest import Lineage, OffsetRange
@@ -53,7 +54,7 @@ from adaflash.telemetry import (
     tracer,
 )
 from dataplane.drafter import Drafter, new_drafter
-from dataplane.drafter_io import load_bundle
+from dataplane.drafter_io import DrafterLoadError, load_bundle
 from dataplane.model import TargetModel
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Tokenizer
@@ -66,6 +67,8 @@ log = logging.getLogger("adaflash.learner")
 _tracer = tracer(__name__, service=LEARNER)
 
 CRASH_ENV = "ADAFLASH_LEARNER_CRASH"
+# The committed starter bundle a node serves when dataplane.drafter is empty (dataplane/node.py).
+STARTER_DIR = Path(dataplane.__file__).parent / "starter"
 
 
 def _crash_point(phase: str, step: int) -> None:
@@ -92,6 +95,16 @@ def initial_drafter(settings: Settings, target: TargetModel, identity: dict) -> 
     if path:
         drafter, manifest = load_bundle(path, target, identity)
         return drafter, manifest.version
+    # Nothing configured: the node serves the committed starter (dataplane/starter) in that
+    # case, so start from the same bundle when it was made for this target.
+    if settings.dataplane.mode != "ar" and (STARTER_DIR / "manifest.json").is_file():
+        try:
+            drafter, manifest = load_bundle(STARTER_DIR, target, identity)
+        except DrafterLoadError as e:
+            log.warning("starter drafter not usable for this target (%s)", e)
+        else:
+            log.info("starting from the starter drafter %s (%s)", manifest.version, STARTER_DIR)
+            return drafter, manifest.version
     log.warning("no initial drafter configured: starting from a random one")
     return new_drafter(target, seed=settings.learner.seed), None
 

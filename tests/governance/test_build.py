@@ -19,6 +19,8 @@ def test_build_emitter_wires_spool_producer_usage(broker, tmp_path):
     for r in recs:
         assert em.submit(r, TRACEPARENT)
     assert em.drain(10) and em.sink.flush(20)
+    # the node's /metrics shows the spool's length (records waiting for the broker)
+    assert em.metrics.registry.get_sample_value("adaflash_feedback_spool_records") == 0.0
     em.close()
     msgs = consume(broker.bootstrap, "built.feedback.v1", expect=5)
     assert {FeedbackRecord.from_bytes(m.value).record_id for m in msgs} == {r.record_id for r in recs}

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from adaflash.config import load_config
-from adaflash.stack import ALL_PARTS, group_members, pid_alive, plan_stack
+from adaflash.stack import ALL_PARTS, group_members, learner_override_env, pid_alive, plan_stack
 from tests.stack.conftest import adaflash, log_tails, status, tiny_env
 
 pytestmark = pytest.mark.services
@@ -37,6 +37,18 @@ def test_plan_reports_missing_parts_and_wires_children(tmp_path, monkeypatch):
     assert len(set(ports)) == len(ports)
     for key in ("dataplane_url", "controlplane_url", "kafka_bootstrap", "state_dir"):
         assert endpoints[key]
+
+
+def test_learner_overrides_leave_explicit_learner_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_HOME", str(tmp_path))
+    monkeypatch.setenv("ADAFLASH_LEARNER__BUFFER_SIZE", "8")
+    settings = load_config()
+    env = learner_override_env(settings)
+    assert "ADAFLASH_LEARNER__BUFFER_SIZE" not in env  # set by the operator: left alone
+    assert env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"] == str(settings.stack.learner_overrides["anchors_per_record"])
+    services, _, _ = plan_stack(settings, random_ports=True, parts=["broker", "learner"])
+    learner = next(s for s in services if s.name == "learner")
+    assert learner.env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"] == env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"]
 
 
 def _wait(pred, timeout: float, what: str, home=None):
@@ -141,7 +153,7 @@ def test_demo_drives_traffic_and_reports(stack):
     r = adaflash(env, "demo", "--timeout", "3", "--requests", "1", "--max-tokens", "6", "--concurrency", "2",
                  check=False, timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "no promotion happened" in r.stdout and "learner is missing" in r.stdout
+    assert "no promotion within the deadline" in r.stdout and "learner is missing" in r.stdout
     summary = json.loads((home / "demo" / "demo.json").read_text())
     assert summary["baseline_version"] == "v0" and summary["promoted_version"] is None
     by = {row["domain"]: row for row in summary["rows"]}
