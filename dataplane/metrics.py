@@ -44,8 +44,13 @@ class NodeMetrics:
         self._drafter_version: str | None = None
 
     def set_drafter(self, version: str | None) -> None:
+        """A new drafter serves: the live window restarts, so the live tau and TPS that the
+        control plane judges a canary by never mix in rounds of the previous version."""
         if self._drafter_version is not None:
             self.drafter.remove(self._drafter_version)
+        if version != self._drafter_version:
+            with self._lock:
+                self._window.clear()
         self._drafter_version = version
         if version is not None:
             self.drafter.labels(version=version).set(1)
