@@ -16,10 +16,10 @@ REQUIRED = ["approve-and-promote", "roll-back", "acceptance-collapse", "broker-o
 API_PATHS = [
     ("GET", r"versions"), ("GET", r"versions/{}"), ("POST", r"versions/{}/approve"),
     ("POST", r"versions/{}/reject"), ("POST", r"versions/{}/rollback"), ("POST", r"versions/{}/pin"),
-    ("GET", r"nodes"), ("GET", r"tenants/{}/policy"), ("PUT", r"tenants/{}/policy"),
-    ("POST", r"deletion-requests"), ("GET", r"deletion-requests/{}"), ("POST", r"deletion-requests/{}/ack"),
+    ("POST", r"versions/{}/unpin"), ("GET", r"nodes"), ("GET", r"nodes/{}"), ("GET", r"tenants/{}/policy"), ("PUT", r"tenants/{}/policy"),
+    ("POST", r"deletion-requests"), ("GET", r"deletion-requests"), ("GET", r"deletion-requests/{}"), ("POST", r"deletion-requests/{}/ack"),
     ("GET", r"audit"), ("GET", r"audit/verify"),
-    ("POST", r"keys"), ("DELETE", r"keys/{}"),
+    ("GET", r"keys"), ("POST", r"keys"), ("DELETE", r"keys/{}"),
 ]
 NODE_PATHS = [("GET", "metrics"), ("GET", "readyz"), ("GET", "healthz"), ("GET", "admin/drafter"),
               ("POST", "admin/drafter")]
@@ -27,7 +27,8 @@ CALL = re.compile(r"""(?:api|curl)\b(?P<opts>[^\n]*?)["']?\$(?P<base>API|NODE)/(
 
 
 def _normalise(path: str) -> str:
-    return re.sub(r"(\$[A-Z_]+|<[^>]+>)", "{}", path.rstrip("\"'"))
+    path = re.sub(r"(\$[A-Z_]+|<[^>]+>)", "{}", path.rstrip("\"'"))
+    return re.sub(r"^nodes/[A-Za-z0-9_.-]+$", "nodes/{}", path)  # a literal node id
 
 
 def _text(name: str) -> str:
@@ -70,8 +71,11 @@ def test_only_contract_endpoints_are_called():
 
 def test_token_comes_from_the_admin_token_file():
     index = (RUNBOOKS / "README.md").read_text()
-    assert 'TOKEN="$(cat "$ADAFLASH_HOME/admin-token")"' in index
-    assert "API=http://127.0.0.1:8100/api/v1" in index and "NODE=http://127.0.0.1:8000" in index
+    # endpoints and the token file come from `adaflash status --json`, never fixed ports
+    assert "adaflash status --json > /tmp/adaflash-status.json" in index
+    assert 'export TOKEN="$(cat "$(ep admin_token_file)")"' in index
+    for var, key in (("API", "controlplane_api"), ("NODE", "dataplane_url"), ("KAFKA", "kafka_bootstrap")):
+        assert f'export {var}="$(ep {key})"' in index
 
 
 def test_python_snippets_parse():
