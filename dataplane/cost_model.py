@@ -18,8 +18,8 @@ the expected number of accepted drafts out of k - 1 equals the head's a * (k - 1
     p + p^2 + ... + p^(k-1) = a * (k - 1)
     expected tokens of verifying m = 1 + p + ... + p^(m-1)
 
-and m maximises expected tokens per unit of step time. With a weak drafter (E well
-below 1) the first draft can still pay where a verify token is cheap (few requests),
+and m maximises expected tokens per unit of step time. With a weak drafter (a * (k - 1)
+well below 1) the first draft can still pay where a verify token is cheap (few requests),
 which the paper's floor(gamma * a * k) rule, made for strong drafters, rounds to 1.
 """
 

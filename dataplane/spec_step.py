@@ -93,10 +93,10 @@ class SpecStep:
         caps = torch.tensor([self.caps(s, max_len) for s in sub])
         if self.mode == "fixed":
             kh = caps.clone()
+        elif self.breakeven:
+            kh = self._breakeven(sub, ah, caps, len(seqs))
         else:
             kh = torch.minimum(k_hat_from(ah, self.k, self.gamma), caps)
-            if self.breakeven:
-                kh = self._breakeven(sub, ah, kh, caps, len(seqs))
         n = int(kh.max())
         if n <= 1:
             for j, i in enumerate(idx):
@@ -118,8 +118,7 @@ class SpecStep:
                 full = drafter.expand_probs(q)
                 probs[i] = torch.cat([full, full.new_zeros(1, full.shape[-1])])  # row k_hat-1 unused
 
-    def _breakeven(self, sub: list[Sequence], ah: torch.Tensor, kh: torch.Tensor, caps: torch.Tensor,
-                   batch: int) -> torch.Tensor:
+    def _breakeven(self, sub: list[Sequence], ah: torch.Tensor, caps: torch.Tensor, batch: int) -> torch.Tensor:
         """Cost-aware verified length (``breakeven``): instead of the paper's k_hat alone, the
         m in 1..cap that maximises expected tokens per unit of the node's measured step
         time (m = 1 is plain decoding; see ``CostModel.best_length``).
@@ -130,7 +129,7 @@ class SpecStep:
         drafter's share, the request stops drafting for a few rounds (back-off doubling
         up to MAX_BACKOFF, reset by a good round); this round's draft is already paid for.
         """
-        out = kh.clone()
+        out = caps.clone()
         for j, s in enumerate(sub):
             p = min(0.98, CostModel.position_accept(self.gamma * float(ah[j]), self.k) * self.calib)
             recent = [r for r in s.rounds[-4:] if r.k_hat > 1]
