@@ -250,6 +250,49 @@ def _math_rows(heldout: bool, skip: int = 0) -> Iterator[dict]:
         seed += 1
 
 
+# --------------------------------------------------------------------------- support desk (synthetic)
+
+# One online shop's customer-support traffic: a narrow tenant for the adaptation bench,
+# never part of offline training. Same split rule as math: seeds >= MATH_HELDOUT_SEED are
+# held out.
+_PRODUCTS = ["wireless headphones", "coffee grinder", "yoga mat", "desk lamp", "backpack", "water bottle",
+             "phone case", "air fryer", "running shoes", "bluetooth speaker", "office chair", "electric kettle"]
+_CITIES = ["Lisbon", "Denver", "Osaka", "Leeds", "Austin", "Lyon", "Toronto", "Melbourne", "Porto", "Seattle"]
+_PLANS = ["Basic", "Plus", "Premium", "Family"]
+
+
+def _support_question(seed: int) -> str:
+    """One synthetic customer message for ``seed`` (an order number, a product, a city...)."""
+    r = random.Random(seed)
+    name = r.choice(_NAMES)
+    product = r.choice(_PRODUCTS)
+    order = f"{r.randint(100000, 999999)}"
+    days = r.randint(2, 14)
+    templates = [
+        f"Hi, I'm {name}. My order #{order} for a {product} still hasn't arrived after {days} days. "
+        "Can you tell me where it is?",
+        f"I want to return the {product} I bought {days} days ago (order #{order}). How do I do that?",
+        f"I was charged twice for order #{order}. Can I get a refund for the second charge?",
+        f"Can I change the shipping address of order #{order} to a new address in {r.choice(_CITIES)}?",
+        f"The {product} I received in order #{order} is damaged. What should I do?",
+        f"How do I cancel my {r.choice(_PLANS)} subscription? I don't want to be charged next month.",
+        f"Do you ship to {r.choice(_CITIES)}? How long does delivery of a {product} take?",
+        f"I forgot my password and can't log in to my account. How can I reset it? My name is {name}.",
+        f"My {product} from order #{order} stopped working after {days} days. Is it covered by the warranty?",
+        f"Can I use two discount codes on one order? I'm buying a {product}.",
+    ]
+    return r.choice(templates)
+
+
+def support_prompts(heldout: bool, n: int, offset: int = 0) -> list[dict]:
+    """``n`` synthetic support-desk prompts of the given split, seeds from ``offset`` on."""
+    base = MATH_HELDOUT_SEED if heldout else 0
+    if not heldout and offset + n > MATH_HELDOUT_SEED:
+        raise ValueError("the support desk's training seeds end at 1,000,000")
+    return [{"prompt": _support_question(seed), "domain": "chat", "id": f"synthetic-support/{seed}",
+             "source": "synthetic"} for seed in range(base + offset, base + offset + n)]
+
+
 # --------------------------------------------------------------------------- public API
 
 

@@ -84,6 +84,10 @@ NARROW_DOMAINS: dict[str, NarrowDomain] = {
     "math": NarrowDomain("math", "math", "grade-school word problems of one tutoring tenant (synthetic "
                          "templates; stream seeds 500,000+, held-out seeds 1,000,000+)",
                          _math_stream, lambda n: ds.heldout_prompts("math", n)),
+    "support-desk": NarrowDomain("support-desk", "chat", "one online shop's customer-support messages (synthetic "
+                                 "templates: orders, returns, refunds, shipping; stream seeds 0+, held-out "
+                                 "seeds 1,000,000+; never used offline)",
+                                 lambda n: ds.support_prompts(False, n), lambda n: ds.support_prompts(True, n)),
     "python-desk": NarrowDomain("python-desk", "chat", "one support desk's Python questions (ShareGPT "
                                 "conversations mentioning Python libraries)",
                                 lambda n: [r for r in _keyword_chat(_PY, False, n + 400, 0)

@@ -20,6 +20,7 @@ from torch import nn
 from dataplane.attention import attend
 from dataplane.kv_cache import SeqKV
 from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary, chunked_linear
+from dataplane.packed_attention import StreamPlan
 
 # Batch-invariant numerics (DataplaneConfig.batch_invariant): every matrix product over the
 # token stream has exactly this many rows (see layers.chunked_linear); a forward whose
@@ -104,8 +105,11 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, layer: int, kvs: list[SeqKV], bounds: list[tuple[int, int, int]],
-                rows: int = 0):
+                rows: int = 0, plan: StreamPlan | None = None):
         """x [T, H]; bounds: per request (stream start, stream end, cache start).
+
+        rows = 0 (default numerics): attention as ``plan`` lays it out (requests of a few
+        tokens batched, see dataplane.packed_attention).
 
         rows > 0: batch-invariant numerics. Products of ``rows`` rows, and each new token of
         a request that continues a cache attends on its own, to exactly the keys it sees:
@@ -114,19 +118,20 @@ class Attention(nn.Module):
         of a request starting from an empty cache (a prompt) attend together.
         """
         q, k, v = self.qkv(x, cos, sin, rows)
-        out = torch.zeros_like(q) if rows else torch.empty_like(q)
+        if not rows:
+            return self.o_proj(plan.attend(layer, q, k, v, kvs))
+        out = torch.zeros_like(q)
         for b, (s, e, start) in enumerate(bounds):
             kv = kvs[b]
             kv.write(layer, start, k[s:e], v[s:e])
-            if rows and start > 0:
+            if start > 0:
                 for i in range(e - s):
                     kc, vc = kv.view(layer, start + i + 1)
                     out[s + i : s + i + 1] = attend(q[s + i : s + i + 1], kc, vc, causal=True)
                 continue
             kc, vc = kv.view(layer, start + (e - s))
             out[s:e] = attend(q[s:e], kc, vc, causal=True)
-        out = out.reshape(x.shape[0], -1)
-        return chunked_linear(self.o_proj, out, rows) if rows else self.o_proj(out)
+        return chunked_linear(self.o_proj, out.reshape(x.shape[0], -1), rows)
 
 
 class DecoderLayer(nn.Module):
@@ -137,8 +142,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, kvs, bounds, rows: int = 0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kvs, bounds, rows)
+    def forward(self, x, cos, sin, layer, kvs, bounds, rows: int = 0, plan: StreamPlan | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kvs, bounds, rows, plan)
         return x + self.mlp(self.post_attention_layernorm(x), rows)
 
 
@@ -254,8 +259,10 @@ class TargetModel(nn.Module):
             want.setdefault(layer, []).append(slot)
         hidden = (torch.empty(T, len(hidden_layers), x.shape[1], dtype=x.dtype, device=x.device)
                   if hidden_layers else None)
+        a = self.args
+        plan = None if rows else StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, x.dtype, x.device)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kvs, bounds, rows)
+            x = layer(x, cos, sin, i, kvs, bounds, rows, plan)
             for slot in want.get(i, ()):
                 hidden[:, slot] = x[:T]
         for (s, e, start), kv in zip(bounds, kvs, strict=True):

@@ -77,3 +77,34 @@ def test_real_model_logits_match_transformers(real_target_dir, real_target, real
     rest = real_target.forward_packed(ids[-5:], [0, 5], [kv])
     assert (out.logits - expected[:-5]).abs().max() < 1e-4
     assert (rest.logits - expected[-5:]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("budget", [65536, 40])
+def test_grouped_stream_attention_matches_separate_runs(tiny_target, monkeypatch, budget):
+    """70 requests (more than one group holds), a prompt longer than SMALL_QUERIES that
+    attends alone, and with budget 40 groups cut by the padded-position budget."""
+    from dataplane import packed_attention
+    from dataplane.attention import SMALL_QUERIES
+
+    monkeypatch.setattr(packed_attention, "GROUP_POSITIONS", budget)
+    g = torch.Generator().manual_seed(5)
+    lens = [int(x) for x in torch.randint(2, 24, (70,), generator=g)] + [SMALL_QUERIES + 9]
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in lens]
+    split = [int(torch.randint(0, n, (1,), generator=g)) for n in lens[:-1]] + [0]
+    kvs = [tiny_target.new_cache(capacity=8) for _ in seqs]
+    for s, p, kv in zip(seqs, split, kvs, strict=True):
+        if p:
+            tiny_target.forward_packed(s[:p], [0, p], [kv])
+    plan = packed_attention.StreamPlan([(0, len(s) - p, p) for s, p in zip(seqs, split, strict=True)],
+                                       4, 2, 8, torch.float32, torch.device("cpu"))
+    assert len(plan.groups) >= 2 and any(e - s > SMALL_QUERIES for _, s, e, _ in plan.singles)
+    stream = torch.cat([s[p:] for s, p in zip(seqs, split, strict=True)])
+    cu = [0]
+    for s, p in zip(seqs, split, strict=True):
+        cu.append(cu[-1] + len(s) - p)
+    out = tiny_target.forward_packed(stream, cu, kvs, hidden_layers=(1,))
+    for b, (s, p) in enumerate(zip(seqs, split, strict=True)):
+        ref = tiny_target.forward_packed(s, [0, len(s)], [tiny_target.new_cache()], hidden_layers=(1,))
+        assert torch.allclose(out.logits[cu[b] : cu[b + 1]], ref.logits[p:], atol=1e-5)
+        assert torch.allclose(out.hidden[cu[b] : cu[b + 1]], ref.hidden[p:], atol=1e-5)
+        assert kvs[b].length == len(s)

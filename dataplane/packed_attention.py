@@ -1,0 +1,122 @@
+"""Attention of a packed stream: requests batched together, each over its own cache.
+
+A verify or decode stream holds many requests with a few new tokens each. Attending
+request by request costs a handful of small kernels per request and layer, which on a
+CPU is mostly per-call overhead: 16 requests of 4 tokens cost visibly more than one
+request of 64. Here requests of a few tokens are grouped (sorted by length, so that
+padding stays small) and a group attends with three kernels per layer: its queries and
+cached keys/values are laid out padded, [G * kv_heads, n_max * g, .], and an additive
+mask built once per forward hides both what lies after a query and the padding.
+Requests with many new tokens (prompts) attend on their own (``attention.attend``).
+
+The plan (groups, masks, gather indices, padded key buffers) depends only on the shape
+of the stream, so it is built once per forward and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dataplane.attention import SMALL_QUERIES, attend
+from dataplane.kv_cache import SeqKV
+
+GROUP_POSITIONS = 65536  # a group's padded keys: members x longest cache at most
+GROUP_MAX = 64  # requests per group at most
+
+
+@dataclass
+class _Group:
+    members: list[tuple[int, int, int, int]]  # (request, stream start, stream end, cache start)
+    n_max: int
+    l_max: int
+    q_src: torch.Tensor  # [G * n_max] stream row of each padded query slot
+    slot_rows: torch.Tensor  # [sum n] padded slots that are real tokens
+    stream_rows: torch.Tensor  # [sum n] their stream rows
+    mask: torch.Tensor  # [G * kv_heads, n_max * g, l_max] additive, 0 or -inf
+    kv_buf: torch.Tensor  # [2, G, kv_heads, l_max, d]; padding stays zero
+
+
+class StreamPlan:
+    """How one packed forward attends; built by ``TargetModel`` once per call.
+
+    bounds: per request (stream start, stream end, cache start), as the model's forward.
+    """
+
+    def __init__(self, bounds: list[tuple[int, int, int]], heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.g = heads // kv_heads
+        self.singles: list[tuple[int, int, int, int]] = []
+        few = []
+        for b, (s, e, start) in enumerate(bounds):
+            (few if e - s <= SMALL_QUERIES else self.singles).append((b, s, e, start))
+        few.sort(key=lambda m: m[3] + m[2] - m[1])
+        chunks: list[list[tuple[int, int, int, int]]] = []
+        for m in few:
+            total = m[3] + m[2] - m[1]
+            if chunks and len(chunks[-1]) < GROUP_MAX and (len(chunks[-1]) + 1) * total <= GROUP_POSITIONS:
+                chunks[-1].append(m)
+            else:
+                chunks.append([m])
+        self.groups: list[_Group] = []
+        for c in chunks:
+            if len(c) == 1:
+                self.singles.append(c[0])
+            else:
+                self.groups.append(self._group(c, dtype, device))
+
+    def _group(self, members, dtype, device) -> _Group:
+        G = len(members)
+        n = torch.tensor([e - s for _, s, e, _ in members])
+        s0 = torch.tensor([s for _, s, _, _ in members])
+        start = torch.tensor([st for *_, st in members])
+        n_max, l_max = int(n.max()), int((start + n).max())
+        i = torch.arange(n_max).unsqueeze(0)  # [1, n_max]
+        real = i < n.unsqueeze(1)  # [G, n_max]
+        last = torch.minimum(i, n.unsqueeze(1) - 1)  # padded slots repeat the last token
+        q_src = (s0.unsqueeze(1) + last).reshape(-1)
+        q_pos = start.unsqueeze(1) + last  # [G, n_max] absolute position of each query
+        see = torch.arange(l_max).view(1, 1, l_max) <= q_pos.unsqueeze(2)  # [G, n_max, l_max]
+        see = see.repeat_interleave(self.g, dim=1)  # rows in (token, group member) order
+        mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, float("-inf"))
+        mask = mask.unsqueeze(1).expand(G, self.kv_heads, n_max * self.g, l_max)
+        slots = torch.arange(G * n_max).view(G, n_max)
+        return _Group(
+            members=members, n_max=n_max, l_max=l_max, q_src=q_src.to(device),
+            slot_rows=slots[real].to(device), stream_rows=(s0.unsqueeze(1) + i)[real].to(device),
+            mask=mask.reshape(G * self.kv_heads, n_max * self.g, l_max).to(device),
+            kv_buf=torch.zeros(2, G, self.kv_heads, l_max, self.head_dim, dtype=dtype, device=device),
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: list[SeqKV]) -> torch.Tensor:
+        """q [T, heads, d], k, v [T, kv_heads, d] of this layer -> [T, heads * d].
+
+        Writes each request's new keys and values into its cache first.
+        """
+        T, d = q.shape[0], self.head_dim
+        kvh, g = self.kv_heads, self.g
+        out = q.new_empty(T, self.heads * d)
+        kv_new = torch.stack((k, v)).transpose(1, 2)  # [2, kv_heads, T, d]
+        for b, s, e, start in self.singles:
+            kv = kvs[b]
+            kv.data[layer, :, :, start : start + e - s] = kv_new[:, :, s:e]
+            kc, vc = kv.view(layer, start + e - s)
+            out[s:e] = attend(q[s:e], kc, vc, causal=True).reshape(e - s, -1)
+        if not self.groups:
+            return out
+        qs = q * (d**-0.5)
+        for grp in self.groups:
+            G = len(grp.members)
+            for j, (b, s, e, start) in enumerate(grp.members):
+                cache = kvs[b].data[layer]  # [2, kv_heads, cap, d]
+                cache[:, :, start : start + e - s] = kv_new[:, :, s:e]
+                grp.kv_buf[:, j, :, : start + e - s] = cache[:, :, : start + e - s]
+            qg = qs[grp.q_src].view(G, grp.n_max, kvh, g, d).transpose(1, 2).reshape(G * kvh, grp.n_max * g, d)
+            keys = grp.kv_buf[0].view(G * kvh, grp.l_max, d)
+            vals = grp.kv_buf[1].view(G * kvh, grp.l_max, d)
+            probs = torch.softmax(torch.baddbmm(grp.mask, qg, keys.transpose(1, 2)), dim=-1)
+            og = torch.bmm(probs, vals).view(G, kvh, grp.n_max, g, d).transpose(1, 2).reshape(G * grp.n_max, -1)
+            out.index_copy_(0, grp.stream_rows, og.index_select(0, grp.slot_rows))
+        return out
