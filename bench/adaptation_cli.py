@@ -21,6 +21,8 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     a.add_argument("--tps-prompts", type=int, default=4, help="held-out prompts served by the engine at C=1")
     a.add_argument("--tps-max-tokens", type=int, default=64)
     a.add_argument("--anchors-per-record", type=int, default=None, help="override the learner's setting")
+    a.add_argument("--lr-drafter", type=float, default=None, help="override the learner's drafter learning rate")
+    a.add_argument("--epochs", type=int, default=None, help="override the learner's epochs per buffer")
     a.add_argument("--drafter", default=None, help="bundle to start from (default: the starter)")
     a.add_argument("--out", default="out/bench-adaptation")
     a.set_defaults(func=adaptation)
@@ -34,7 +36,8 @@ def adaptation(args, settings) -> int:
         raise CliError(f"unknown domain {args.domain!r}; choose from {', '.join(sorted(NARROW_DOMAINS))}")
     if args.drafter and not (Path(args.drafter) / "manifest.json").is_file():
         raise CliError(f"not a drafter bundle (no manifest.json): {args.drafter}")
-    over = {"anchors_per_record": args.anchors_per_record} if args.anchors_per_record else {}
+    over = {key: val for key, val in (("anchors_per_record", args.anchors_per_record),
+                                       ("lr_drafter", args.lr_drafter), ("epochs", args.epochs)) if val}
     try:
         result = run(settings, args.domain, args.rounds, Path(args.out), records_per_round=args.records_per_round,
                      n_eval=args.eval_prompts, max_tokens=args.max_tokens,

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataplane.attention import attend
 from dataplane.kv_cache import SeqKV
 from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary
 from dataplane.model import ModelArgs, TargetModel, default_hidden_layers
+from dataplane.packed_attention import BlockPlan
 
 
 @dataclass
@@ -235,18 +235,14 @@ class Drafter(nn.Module):
         offs = torch.arange(k)
         pos = torch.cat([kv.length + offs for kv in kvs]).to(x.device)
         cos, sin = self.rotary.cos_sin(pos)
+        c = self.config
+        plan = BlockPlan([kv.length for kv in kvs], k, c.num_heads, c.num_kv_heads, c.head_dim, x.dtype, x.device)
         for li, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             att = layer.self_attn
             q = att.q(h, cos, sin)
             bk, bv = att.kv(h, cos, sin)
-            out = torch.empty_like(q)
-            for b, kv in enumerate(kvs):
-                s, e = b * k, (b + 1) * k
-                ck, cv = kv.view(li, kv.length)
-                out[s:e] = attend(q[s:e], ck, cv, causal=False, extra_k=bk[s:e].transpose(0, 1),
-                                  extra_v=bv[s:e].transpose(0, 1))
-            x = x + att.o_proj(out.reshape(B * k, -1))
+            x = x + att.o_proj(plan.attend(li, q, bk, bv, kvs))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x.view(B, k, -1)
 

@@ -120,3 +120,73 @@ class StreamPlan:
             og = torch.bmm(probs, vals).view(G, kvh, grp.n_max, g, d).transpose(1, 2).reshape(G * grp.n_max, -1)
             out.index_copy_(0, grp.stream_rows, og.index_select(0, grp.slot_rows))
         return out
+
+
+def _chunks(lengths: list[int], per_member_extra: int) -> list[list[int]]:
+    """Indices sorted by length, cut into groups within GROUP_MAX and GROUP_POSITIONS."""
+    order = sorted(range(len(lengths)), key=lambda b: lengths[b])
+    out: list[list[int]] = []
+    for b in order:
+        total = lengths[b] + per_member_extra
+        if out and len(out[-1]) < GROUP_MAX and (len(out[-1]) + 1) * total <= GROUP_POSITIONS:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+class BlockPlan:
+    """The drafter's block attention for B requests, batched like ``StreamPlan``.
+
+    Request b's block of k queries sees its whole context cache (kvs[b].length keys) and
+    its own k block keys (non-causal). In a group the block keys sit after the longest
+    context, [l_max, l_max + k), and the mask hides the context padding; keys carry their
+    rotary phase already, so their order is immaterial.
+    """
+
+    def __init__(self, lengths: list[int], k: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.k, self.heads, self.kv_heads, self.head_dim = k, heads, kv_heads, head_dim
+        self.g = heads // kv_heads
+        self.lengths = lengths
+        self.groups = []
+        for members in _chunks(lengths, k):
+            G = len(members)
+            ctx = torch.tensor([lengths[b] for b in members])
+            l_max = int(ctx.max())
+            c = torch.arange(l_max + k).view(1, -1)
+            see = (c < ctx.view(-1, 1)) | (c >= l_max)  # [G, l_max + k]
+            mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, float("-inf"))
+            mask = mask.view(G, 1, 1, l_max + k).expand(G, kv_heads, k * self.g, l_max + k)
+            rows = (torch.tensor(members).view(-1, 1) * k + torch.arange(k)).reshape(-1)
+            self.groups.append((members, l_max, rows.to(device),
+                                mask.reshape(G * kv_heads, k * self.g, l_max + k).to(device),
+                                torch.zeros(2, G, kv_heads, l_max + k, head_dim, dtype=dtype, device=device)))
+
+    def attend(self, layer: int, q: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor,
+               kvs: list[SeqKV]) -> torch.Tensor:
+        """q [B*k, heads, d]; bk, bv [B*k, kv_heads, d] -> [B*k, heads * d]."""
+        k, kvh, g, d = self.k, self.kv_heads, self.g, self.head_dim
+        out = q.new_empty(q.shape[0], self.heads * d)
+        qs = q * (d**-0.5)
+        for members, l_max, rows, mask, buf in self.groups:
+            G = len(members)
+            if G == 1:
+                b = members[0]
+                ck, cv = kvs[b].view(layer, self.lengths[b])
+                s = b * k
+                out[s : s + k] = attend(q[s : s + k], ck, cv, causal=False, extra_k=bk[s : s + k].transpose(0, 1),
+                                        extra_v=bv[s : s + k].transpose(0, 1)).reshape(k, -1)
+                continue
+            for j, b in enumerate(members):
+                n = self.lengths[b]
+                buf[:, j, :, :n] = kvs[b].data[layer, :, :, :n]
+            blk = torch.stack((bk.index_select(0, rows), bv.index_select(0, rows)))  # [2, G*k, kvh, d]
+            buf[:, :, :, l_max:] = blk.view(2, G, k, kvh, d).transpose(2, 3)
+            qg = qs.index_select(0, rows).view(G, k, kvh, g, d).transpose(1, 2).reshape(G * kvh, k * g, d)
+            keys = buf[0].view(G * kvh, l_max + k, d)
+            vals = buf[1].view(G * kvh, l_max + k, d)
+            probs = torch.softmax(torch.baddbmm(mask, qg, keys.transpose(1, 2)), dim=-1)
+            og = torch.bmm(probs, vals).view(G, kvh, k, g, d).transpose(1, 2).reshape(G * k, -1)
+            out.index_copy_(0, rows, og)
+        return out

@@ -31,9 +31,13 @@ def test_training_forward_equals_serving_forward(tiny_target, drafter):
         assert torch.allclose(train_h[i], serve_h[0], atol=1e-5)
 
 
-def test_block_is_batched_per_request(tiny_target, drafter):
+@pytest.mark.parametrize("budget", [65536, 60])  # 60: groups cut by the padded-position budget
+def test_block_is_batched_per_request(tiny_target, drafter, monkeypatch, budget):
+    from dataplane import packed_attention
+
+    monkeypatch.setattr(packed_attention, "GROUP_POSITIONS", budget)
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (6, 19)]
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (6, 19, 2, 11, 30, 7)]
     layers = tuple(drafter.config.target_layers)
     kvs, alone = [], []
     for s in seqs:
@@ -43,7 +47,7 @@ def test_block_is_batched_per_request(tiny_target, drafter):
         kvs.append(kv)
         alone.append(drafter.forward_block(s[-1:], [kv])[0])
     both = drafter.forward_block(torch.stack([s[-1] for s in seqs]), kvs)
-    for i in range(2):
+    for i in range(len(seqs)):
         assert torch.allclose(both[i], alone[i], atol=1e-5)
 
 
