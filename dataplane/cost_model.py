@@ -40,7 +40,7 @@ class CostModel:
 
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
         self.obs.append((batch, tokens, seconds))
-        if len(self.obs) >= 16 and len(self.obs) % 8 == 0:
+        if len(self.obs) >= 8 and len(self.obs) % 4 == 0:
             self._fit()
 
     def observe_draft(self, batch: int, seconds: float) -> None:

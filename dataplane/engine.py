@@ -168,6 +168,7 @@ class Engine:
         drafter, version, fut = pending
         t0 = time.perf_counter()
         self.drafter, self.drafter_version = drafter, version
+        self.step_runner.reset_calibration()
         # In-flight requests hold context caches of the old drafter: they finish without
         # drafting (their drafter_version no longer matches); new requests use the new one.
         pause = time.perf_counter() - t0

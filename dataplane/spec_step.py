@@ -57,6 +57,18 @@ class SpecStep:
         self.cost = cost
         self.breakeven = breakeven
         self.calib = 1.0  # EMA of realised / predicted acceptance, node-wide
+        self.calib_rounds = 0  # steps that fed it since the drafter was set
+        # Node-wide back-off (adaptive + breakeven): a drafter pass that paid for no request
+        # (every request's gain below 1) was pure cost; skip the drafter for this many steps
+        # (doubling up to MAX_BACKOFF while passes stay useless, reset by a useful one).
+        self.node_skip = 0
+        self.node_backoff = 1
+        self.pass_paid = False  # set by _breakeven: drafting paid for some request this step
+
+    def reset_calibration(self) -> None:
+        """A new drafter (and head): trust its head again and re-learn quickly."""
+        self.calib, self.calib_rounds = 1.0, 0
+        self.node_skip, self.node_backoff = 0, 1
 
     # --- planning ---------------------------------------------------------------------------
     def caps(self, seq: Sequence, max_len: int) -> int:
@@ -77,8 +89,18 @@ class SpecStep:
                    and self.caps(s, max_len) > 1]
             for s in seqs:
                 s.skip_rounds = max(0, s.skip_rounds - 1)
+            node_backs_off = self.mode == "adaptive" and self.breakeven
+            if node_backs_off and self.node_skip > 0:
+                self.node_skip -= 1
+                idx = []
             if idx:
                 self._draft(seqs, idx, drafter, k_hat, a_hat, drafts, probs, max_len)
+                if node_backs_off:
+                    if self.pass_paid:
+                        self.node_backoff = 1
+                    else:
+                        self.node_skip = self.node_backoff
+                        self.node_backoff = min(MAX_BACKOFF, 2 * self.node_backoff)
         draft_s = time.perf_counter() - t0
         if self.mode != "ar" and drafter is not None:
             self.cost.observe_draft(sum(1 for k in k_hat if k > 1), draft_s)
@@ -130,6 +152,7 @@ class SpecStep:
         up to MAX_BACKOFF, reset by a good round); this round's draft is already paid for.
         """
         out = caps.clone()
+        self.pass_paid = False
         for j, s in enumerate(sub):
             p = min(0.98, CostModel.position_accept(self.gamma * float(ah[j]), self.k) * self.calib)
             recent = [r for r in s.rounds[-4:] if r.k_hat > 1]
@@ -140,6 +163,7 @@ class SpecStep:
                     p = 0.5 * p + 0.5 * acc / (acc + rejections)
             m, gain = self.cost.best_length(p, int(caps[j]), batch)
             out[j] = m
+            self.pass_paid |= gain >= 1.0
             if gain < 1.0:
                 s.skip_rounds = s.backoff
                 s.backoff = min(MAX_BACKOFF, s.backoff * 2)
@@ -193,14 +217,21 @@ class SpecStep:
         return accepted, bonus
 
     def _update_calibration(self, plan: StepPlan, accepted: list[int]) -> None:
-        """EMA of realised / predicted accepted drafts over the rounds that drafted."""
+        """EMA of realised / predicted accepted drafts over the rounds that drafted.
+
+        The first steps after a drafter is set average with weight 1/n (a bias-corrected
+        start), so a head that over- or under-predicts is corrected within a few steps
+        rather than the EMA's ~20; later steps weigh 0.05.
+        """
         pred = real = 0.0
         for k, a_hat, acc in zip(plan.k_hat, plan.a_hat, accepted, strict=True):
             if k > 1:
                 pred += CostModel.expected_accepted(CostModel.position_accept(self.gamma * a_hat, self.k), k - 1)
                 real += acc
         if pred > 0:
-            self.calib = min(4.0, max(0.05, 0.95 * self.calib + 0.05 * (real / pred)))
+            self.calib_rounds += 1
+            w = max(0.05, 1.0 / self.calib_rounds)
+            self.calib = min(4.0, max(0.05, (1.0 - w) * self.calib + w * (real / pred)))
 
     @staticmethod
     def record_round(seq: Sequence, k_hat: int, accepted: int, a_hat: float) -> None:

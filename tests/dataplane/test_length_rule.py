@@ -58,3 +58,51 @@ def test_position_accept_inverts_the_expected_accepted_count():
         assert sum(p ** i for i in range(1, 16)) == pytest.approx(15 * a, rel=1e-6)
     assert CostModel.position_accept(1.0, 16) == 0.995
     assert CostModel.position_accept(0.0, 16) == 0.0
+
+
+def test_calibration_corrects_an_overconfident_head_within_a_few_steps_and_resets_at_a_swap():
+    import torch
+
+    from dataplane.spec_step import SpecStep, StepPlan
+
+    step = SpecStep(target=None, mode="adaptive", block_size=16, gamma=1.0, cost=_model(0.08, 0.004, 0.0025))
+    plan = StepPlan(seqs=[], k_hat=[8, 8], a_hat=[0.6, 0.6], drafts=torch.zeros(2, 15, dtype=torch.int64),
+                    draft_probs=[None, None], draft_s=0.0)
+    for _ in range(3):  # the head says 0.6; nothing is ever accepted
+        step._update_calibration(plan, [0, 0])
+    assert step.calib <= 0.05 + 1e-9  # the plain 0.05-EMA would still be above 0.85
+    step.reset_calibration()
+    assert step.calib == 1.0 and step.calib_rounds == 0
+    for _ in range(40):  # the head is right: calibration stays at 1
+        pred = CostModel.expected_accepted(CostModel.position_accept(0.6, 16), 7)
+        step._update_calibration(plan, [round(pred)] * 2)
+    assert 0.8 < step.calib < 1.25
+
+
+def test_node_backs_off_the_drafter_when_no_request_would_verify_a_draft(tiny_target):
+    """A drafter whose passes never pay (its time dwarfs a verify step), with requests
+    arriving all the time (each new one would try drafting): the node runs it on far
+    fewer steps than per-request back-off alone does; outputs are those of ar."""
+    from dataplane.drafter import new_drafter
+    from tests.dataplane.engine_util import make_engine, prompts, run
+
+    d = new_drafter(tiny_target, seed=1, num_layers=1, n_target_layers=2, block_size=8, head_hidden=16)
+    ps = prompts(24, 97, seed=3)
+    calls = []
+    orig = d.forward_block
+    d.forward_block = lambda *a, **kw: calls.append(1) or orig(*a, **kw)
+
+    def serve(node_backoff: bool):
+        calls.clear()
+        eng = make_engine(tiny_target, drafter=d, max_running=4)
+        eng.cost.draft_per_request_s = 10.0
+        eng.cost.observe_draft = lambda batch, seconds: None  # keep the drafter's cost pinned
+        if not node_backoff:
+            eng.step_runner.node_backoff = 0  # skips stay at zero
+        return [s.output_ids for s in run(eng, ps, max_tokens=12)], len(calls)
+
+    with_out, with_calls = serve(True)
+    without_out, without_calls = serve(False)
+    ar = [s.output_ids for s in run(make_engine(tiny_target, mode="ar", max_running=4), ps, max_tokens=12)]
+    assert with_out == without_out == ar
+    assert 0 < with_calls and with_calls * 2 <= without_calls
