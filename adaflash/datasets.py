@@ -42,13 +42,13 @@ def is_heldout(domain: str, index: int) -> bool:
     """The held-out rule of shared/DATA.md, the only place it is written down.
 
     ``index`` is the ShareGPT element index in the file, the HumanEval task number or the
-    math generator seed.
+    math (or support-desk) generator seed.
     """
     if domain == "chat":
         return index % CHAT_HELDOUT_MOD == 0
     if domain == "code":
         return index >= CODE_HELDOUT_FIRST
-    if domain == "math":
+    if domain in ("math", "support"):  # generator seeds (support: the synthetic support desk)
         return index >= MATH_HELDOUT_SEED
     raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
 
@@ -287,10 +287,11 @@ def _support_question(seed: int) -> str:
 def support_prompts(heldout: bool, n: int, offset: int = 0) -> list[dict]:
     """``n`` synthetic support-desk prompts of the given split, seeds from ``offset`` on."""
     base = MATH_HELDOUT_SEED if heldout else 0
-    if not heldout and offset + n > MATH_HELDOUT_SEED:
+    seeds = range(base + offset, base + offset + n)
+    if n and any(is_heldout("support", seed) != heldout for seed in (seeds[0], seeds[-1])):
         raise ValueError("the support desk's training seeds end at 1,000,000")
     return [{"prompt": _support_question(seed), "domain": "chat", "id": f"synthetic-support/{seed}",
-             "source": "synthetic"} for seed in range(base + offset, base + offset + n)]
+             "source": "synthetic"} for seed in seeds]
 
 
 # --------------------------------------------------------------------------- public API

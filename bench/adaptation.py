@@ -62,6 +62,11 @@ class NarrowDomain:
     description: str
     stream: Callable[[int], list[dict]]  # n -> training-split prompts never used offline
     heldout: Callable[[int], list[dict]]  # n -> held-out prompts of the same distribution
+    split: str = ""  # the datasets.is_heldout rule its ids follow (empty: base)
+
+    @property
+    def split_rule(self) -> str:
+        return self.split or self.base
 
 
 def _math_stream(n: int) -> list[dict]:
@@ -87,7 +92,8 @@ NARROW_DOMAINS: dict[str, NarrowDomain] = {
     "support-desk": NarrowDomain("support-desk", "chat", "one online shop's customer-support messages (synthetic "
                                  "templates: orders, returns, refunds, shipping; stream seeds 0+, held-out "
                                  "seeds 1,000,000+; never used offline)",
-                                 lambda n: ds.support_prompts(False, n), lambda n: ds.support_prompts(True, n)),
+                                 lambda n: ds.support_prompts(False, n), lambda n: ds.support_prompts(True, n),
+                                 split="support"),
     "python-desk": NarrowDomain("python-desk", "chat", "one support desk's Python questions (ShareGPT "
                                 "conversations mentioning Python libraries)",
                                 lambda n: [r for r in _keyword_chat(_PY, False, n + 400, 0)

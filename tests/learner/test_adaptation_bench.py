@@ -88,8 +88,9 @@ def test_narrow_domains_stream_training_prompts_and_score_on_the_heldout_split()
         stream, held = nd.stream(20), nd.heldout(5)
         assert len(stream) == 20 and len(held) == 5
         index = {r["id"]: int(r["id"].rsplit("/", 1)[-1]) for r in stream + held}
-        assert not any(is_heldout(nd.base, index[r["id"]]) for r in stream)
-        assert all(is_heldout(nd.base, index[r["id"]]) for r in held)
+        assert not any(is_heldout(nd.split_rule, index[r["id"]]) for r in stream)
+        assert all(is_heldout(nd.split_rule, index[r["id"]]) for r in held)
+        assert {r["id"] for r in stream}.isdisjoint(r["id"] for r in held)
 
 
 def test_bench_cli_rejects_bad_input(capsys):
