@@ -52,16 +52,9 @@ class StreamPlan:
         few = []
         for b, (s, e, start) in enumerate(bounds):
             (few if e - s <= SMALL_QUERIES else self.singles).append((b, s, e, start))
-        few.sort(key=lambda m: m[3] + m[2] - m[1])
-        chunks: list[list[tuple[int, int, int, int]]] = []
-        for m in few:
-            total = m[3] + m[2] - m[1]
-            if chunks and len(chunks[-1]) < GROUP_MAX and (len(chunks[-1]) + 1) * total <= GROUP_POSITIONS:
-                chunks[-1].append(m)
-            else:
-                chunks.append([m])
         self.groups: list[_Group] = []
-        for c in chunks:
+        for idx in _chunks([st + e - s for _, s, e, st in few], 0):
+            c = [few[i] for i in idx]
             if len(c) == 1:
                 self.singles.append(c[0])
             else:
