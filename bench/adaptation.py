@@ -293,7 +293,7 @@ def engine_tps(target, tok, drafter, answered: list[Answered], mode: str, max_to
 def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_round: int = 8, n_eval: int = 8,
         max_tokens: int = 96, methods: tuple[str, ...] = METHODS, tps_prompts: int = 4, tps_max_tokens: int = 64,
         drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
-    from dataplane.drafter_io import load_bundle
+    from dataplane.drafter_io import load_bundle, save_bundle
     from dataplane.model import TargetModel
     from dataplane.node import STARTER_DIR
     from dataplane.target_cache import ensure_target, target_identity
@@ -359,6 +359,9 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         d.eval().requires_grad_(False)
         curves[method] = rows
         finals[method] = d
+        save_bundle(d, out / "drafters" / method, identity, version=f"{domain}-{method}-u{rounds}",
+                    training={"bench": "adaptation", "domain": domain, "method": method, "updates": rounds,
+                              "records": rounds * records_per_round})
     for u in range(1, rounds + 1):
         curves["frozen"].append({"update": u, "records": u * records_per_round, **frozen})
 
