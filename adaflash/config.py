@@ -142,6 +142,10 @@ class LearnerConfig(BaseModel):
     # k_hat the node chose (a cost-aware node verifies short blocks) and were produced by
     # an older drafter, so "simulated" is the default.
     head_label: Literal["rounds", "simulated"] = "simulated"
+    # Length-head objective: "bce" (cross-entropy with the soft label, on the logit; its
+    # gradient does not vanish when the sigmoid saturates) or "mse" (the paper's, through
+    # the sigmoid). Both are minimised by the mean acceptance; see learner.losses.head_loss.
+    head_loss: Literal["bce", "mse"] = "bce"
     publish_every: int = 1  # publish a candidate every N checkpointed steps (0: never)
     init_drafter: str = ""  # bundle to start from; empty: dataplane.drafter, else a random one
     state_dir: str = ""  # empty: $ADAFLASH_HOME/learner

@@ -25,7 +25,9 @@ held-out split of ``adaflash.datasets``, never streamed):
   length head's prediction and the node's step-time curve measured at the start of the
   run, and the round yields min(accepted, m - 1) + 1 tokens for the measured time of
   verifying m tokens plus the drafter's forward;
-- ``head_mae``: the length head's error against the realised accepted share.
+- ``head_mae``: the length head's error against the realised accepted share;
+  ``head_mean`` and ``label_mean``: the mean prediction and the mean realised share
+  over the same rounds (a head far below its labels makes the node stop drafting).
 
 At the end the real engine serves the held-out prompts at concurrency 1 in modes ``ar``
 and ``adaptive`` with the frozen drafter and each method's final drafter, so the speedup
@@ -239,7 +241,7 @@ def score(drafter, sups, cost: StepCost) -> dict:
     rounds = accepted = first = 0
     tokens = 0
     seconds = 0.0
-    errs = []
+    errs, preds, labels = [], [], []
     for sup in sups:
         lo, hi = sup.prompt_len, sup.length - 2
         if hi < lo:
@@ -259,6 +261,8 @@ def score(drafter, sups, cost: StepCost) -> dict:
             accepted += a
             first += int(a >= 1)
             errs.append(abs(a_hat[pos - lo] - a / (k - 1)))
+            preds.append(a_hat[pos - lo])
+            labels.append(a / (k - 1))
             pos += a + 1
         pos = lo
         while pos <= hi:  # adaptive: m from the head and the cost curve
@@ -270,7 +274,8 @@ def score(drafter, sups, cost: StepCost) -> dict:
             pos += got
     drafter.train(was_training)
     return {"tau": (accepted + rounds) / max(rounds, 1), "acc1": first / max(rounds, 1),
-            "head_mae": sum(errs) / max(len(errs), 1), "tps_model": tokens / seconds if seconds else 0.0,
+            "head_mae": sum(errs) / max(len(errs), 1), "head_mean": sum(preds) / max(len(preds), 1),
+            "label_mean": sum(labels) / max(len(labels), 1), "tps_model": tokens / seconds if seconds else 0.0,
             "rounds": rounds}
 
 
@@ -391,7 +396,7 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         "eval_prompts": len(held), "max_tokens": max_tokens, "block_size": starter.config.block_size,
         "drafter": str(bundle), "learner": {k: getattr(lc, k) for k in ("alpha", "delta", "lr_drafter", "lr_head",
                                                                        "epochs", "grad_accum", "anchors_per_record",
-                                                                       "head_label")},
+                                                                       "head_label", "head_loss")},
         "step_cost_c1": {"verify_s": [round(x, 5) for x in cost.verify_s], "draft_s": round(cost.draft_s, 5)},
         "engine_c1": {"prompts": len(tps_set), "max_tokens": tps_max_tokens, "ar": real["ar"]},
         "train_seconds": train_s, "summary": summary, "curves": curves,

@@ -23,6 +23,8 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     a.add_argument("--anchors-per-record", type=int, default=None, help="override the learner's setting")
     a.add_argument("--lr-drafter", type=float, default=None, help="override the learner's drafter learning rate")
     a.add_argument("--epochs", type=int, default=None, help="override the learner's epochs per buffer")
+    a.add_argument("--lr-head", type=float, default=None, help="override the length head's learning rate")
+    a.add_argument("--head-loss", choices=("bce", "mse"), default=None, help="override the length head's loss")
     a.add_argument("--drafter", default=None, help="bundle to start from (default: the starter)")
     a.add_argument("--out", default="out/bench-adaptation")
     a.set_defaults(func=adaptation)
@@ -37,7 +39,8 @@ def adaptation(args, settings) -> int:
     if args.drafter and not (Path(args.drafter) / "manifest.json").is_file():
         raise CliError(f"not a drafter bundle (no manifest.json): {args.drafter}")
     over = {key: val for key, val in (("anchors_per_record", args.anchors_per_record),
-                                       ("lr_drafter", args.lr_drafter), ("epochs", args.epochs)) if val}
+                                       ("lr_drafter", args.lr_drafter), ("epochs", args.epochs),
+                                       ("lr_head", args.lr_head), ("head_loss", args.head_loss)) if val}
     try:
         result = run(settings, args.domain, args.rounds, Path(args.out), records_per_round=args.records_per_round,
                      n_eval=args.eval_prompts, max_tokens=args.max_tokens,

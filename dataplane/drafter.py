@@ -101,8 +101,12 @@ class LengthHead(nn.Module):
         self.proj = nn.Linear(hidden, head_hidden)
         self.out = nn.Linear(head_hidden, 1)
 
+    def logit(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, k, H] -> the pre-sigmoid value [B] (a_hat = sigmoid(logit))."""
+        return self.out(F.silu(self.proj(h)).mean(dim=-2)).squeeze(-1)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.out(F.silu(self.proj(h)).mean(dim=-2))).squeeze(-1)
+        return torch.sigmoid(self.logit(h))
 
 
 def k_hat_from(a_hat: torch.Tensor, k: int, gamma: float) -> torch.Tensor:

@@ -146,13 +146,30 @@ def distill_loss(q_logits: torch.Tensor, p_logits: torch.Tensor, mask: torch.Ten
     return LossOutput(loss, parts)
 
 
-def head_loss(length_head: torch.nn.Module, hidden: torch.Tensor, a_star: torch.Tensor) -> LossOutput:
-    """Length-head MSE(a_hat, a*) on drafter features detached from the drafter.
+def head_loss(length_head: torch.nn.Module, hidden: torch.Tensor, a_star: torch.Tensor,
+              kind: str = "bce") -> LossOutput:
+    """Length-head loss on drafter features detached from the drafter.
 
     hidden [B, k, H] final drafter hidden states; a_star [B] in [0, 1]. Only the head's
     parameters receive gradient: OPD moves the drafter, this loss only the head.
+
+    kind "mse": the paper's MSE(a_hat, a*) through the sigmoid. Its gradient at the
+    logit is 2 (a_hat - a*) a_hat (1 - a_hat), which vanishes once the sigmoid saturates,
+    and acceptance labels are mostly 0 on a narrow stream, so an online head can pin at
+    a_hat = 0 and never recover. kind "bce" (default): binary cross-entropy with the soft
+    label a*, computed on the logit; its gradient there is a_hat - a*, which never
+    vanishes. Both are minimised by the conditional mean of a*, so the head predicts the
+    same quantity either way. MSE and MAE are reported for both.
     """
-    a_hat = length_head(hidden.detach())
-    err = a_hat.float() - a_star.float()
-    loss = (err ** 2).mean()
-    return LossOutput(loss, {"head_mse": float(loss.detach()), "head_mae": float(err.detach().abs().mean())})
+    z = length_head.logit(hidden.detach()).float()
+    a_hat = torch.sigmoid(z)
+    y = a_star.float()
+    err = a_hat - y
+    mse = (err ** 2).mean()
+    if kind == "mse":
+        loss = mse
+    elif kind == "bce":
+        loss = F.binary_cross_entropy_with_logits(z, y)
+    else:
+        raise ValueError(f"unknown head loss {kind!r}")
+    return LossOutput(loss, {"head_mse": float(mse.detach()), "head_mae": float(err.detach().abs().mean())})

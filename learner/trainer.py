@@ -140,7 +140,7 @@ class Trainer:
                 with torch.no_grad():
                     head_h = d.forward_train(sup.ctx_hidden, sup.tokens, r_anchors)
                 a_star = r_labels
-        hl = head_loss(d.length_head, head_h, a_star)
+        hl = head_loss(d.length_head, head_h, a_star, self.cfg.head_loss)
         (out.loss + hl.loss).div(self.cfg.grad_accum).backward()
         return {**out.parts, **hl.parts, "sim_accept": float(accepted.float().mean()) / (k - 1),
                 "sim_tau": float(accepted.float().mean()) + 1.0}

@@ -96,7 +96,8 @@ def test_clipped_entries_pass_no_gradient():
     assert torch.allclose(q.grad.double(), q64.grad, atol=1e-6)
 
 
-def test_head_loss_leaves_every_drafter_gradient_at_zero(target):
+@pytest.mark.parametrize("kind", ["bce", "mse"])
+def test_head_loss_leaves_every_drafter_gradient_at_zero(target, kind):
     drafter = make_drafter(target, seed=3)
     drafter.train().requires_grad_(True)
     L = 30
@@ -105,7 +106,7 @@ def test_head_loss_leaves_every_drafter_gradient_at_zero(target):
         hidden = target.forward_packed(tokens, [0, L], [target.new_cache()],
                                        hidden_layers=tuple(drafter.config.target_layers)).hidden.clone()
     h = drafter.forward_train(hidden, tokens, torch.tensor([5, 12, 20]))
-    out = losses.head_loss(drafter.length_head, h, torch.tensor([0.2, 0.5, 1.0]))
+    out = losses.head_loss(drafter.length_head, h, torch.tensor([0.2, 0.5, 1.0]), kind)
     out.loss.backward()
     for name, prm in drafter.named_parameters():
         if name.startswith("length_head."):
@@ -113,3 +114,40 @@ def test_head_loss_leaves_every_drafter_gradient_at_zero(target):
         else:
             assert prm.grad is None or torch.all(prm.grad == 0), name
     assert set(out.parts) == {"head_mse", "head_mae"}
+
+
+class _LogitHead(torch.nn.Module):
+    """A head whose logit is a free parameter per block: logit(h) = z."""
+
+    def __init__(self, z):
+        super().__init__()
+        self.z = torch.nn.Parameter(z)
+
+    def logit(self, h):
+        return self.z
+
+
+def test_head_losses_equal_float64_references_and_bce_does_not_saturate():
+    z = torch.tensor([-16.0, -3.0, 0.0, 2.5, 14.0])
+    y = torch.tensor([0.2, 0.0, 0.5, 1.0, 0.3])
+    h = torch.zeros(5, 4, 8)
+    z64 = z.double().requires_grad_(True)
+    a64 = 1 / (1 + torch.exp(-z64))
+    bce64 = -(y.double() * torch.log(a64) + (1 - y.double()) * torch.log(1 - a64)).mean()
+    bce64.backward()
+    head = _LogitHead(z.clone())
+    out = losses.head_loss(head, h, y, "bce")
+    out.loss.backward()
+    assert abs(float(out.loss.detach()) - float(bce64)) < 1e-5
+    assert torch.allclose(head.z.grad.double(), z64.grad, atol=1e-7)
+    # d bce / d z = (a_hat - a*) / B: a head pinned at a_hat = 0 with label 0.2 still gets
+    # the full push, while MSE through the saturated sigmoid passes almost nothing.
+    assert abs(float(head.z.grad[0]) - (-0.2 / 5)) < 1e-6
+    mse_head = _LogitHead(z.clone())
+    m = losses.head_loss(mse_head, h, y, "mse")
+    m.loss.backward()
+    mse64 = ((a64.detach() - y.double()) ** 2).mean()
+    assert abs(float(m.loss.detach()) - float(mse64)) < 1e-6 and abs(out.parts["head_mse"] - float(mse64)) < 1e-6
+    assert abs(float(mse_head.z.grad[0])) < 1e-7
+    with pytest.raises(ValueError, match="unknown head loss"):
+        losses.head_loss(head, h, y, "l1")

@@ -42,7 +42,7 @@ def test_request_trace_reaches_the_learner(tmp_path, broker, tiny_vocab_target, 
     s = load_config(None, home=tmp_path / "home",
                     kafka=KafkaConfig(bootstrap=broker.bootstrap, feedback_topic=f"fb-{tag}", dlq_topic=f"dlq-{tag}",
                                       partitions=2, consumer_group=f"learner-{tag}"),
-                    learner=LearnerConfig(buffer_size=2, anchors_per_record=2, max_wait_s=1.0, publish_every=0,
+                    learner=LearnerConfig(buffer_size=2, anchors_per_record=2, max_wait_s=30.0, publish_every=0,
                                           init_drafter=str(tiny_bundle), max_record_tokens=400,
                                           poll_timeout_ms=200))
     s.model.path, s.model.target_id, s.model.max_model_len = str(tiny_vocab_target), ident["id"], 512
