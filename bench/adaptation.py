@@ -115,13 +115,27 @@ class Answered:
 # ------------------------------------------------------------------------------- data
 
 
-def _cache_file(cache: Path, target_id: str, domain: str, split: str, n: int, max_tokens: int) -> Path:
-    return cache / "bench" / "adaptation" / target_id / f"{domain}-{split}-n{n}-t{max_tokens}.jsonl"
+def _cache_file(cache: Path, target_id: str, domain: str, split: str, max_tokens: int) -> Path:
+    """One file per target, domain, split and answer length; rows keyed by prompt id, so a
+    longer run reuses every answer a shorter one produced."""
+    return cache / "bench" / "adaptation" / target_id / f"{domain}-{split}-t{max_tokens}.jsonl"
+
+
+def _cached_answers(cache_file: Path) -> dict[str, list[int]]:
+    """Prompt id -> output ids, from the cache file and from older per-count files
+    (``<domain>-<split>-n<count>-t<max_tokens>.jsonl``) beside it."""
+    stem = cache_file.stem  # <domain>-<split>-t<max_tokens>
+    head, _, tail = stem.rpartition("-")
+    found: dict[str, list[int]] = {}
+    for f in sorted(cache_file.parent.glob(f"{head}-n*-{tail}.jsonl")) + [cache_file]:
+        if f.is_file():
+            found.update({r["id"]: r["output_ids"] for r in ds.read_jsonl(str(f))})
+    return found
 
 
 def answer(target, tok, prompts: list[dict], max_tokens: int, cache_file: Path, desc: str,
            concurrency: int = 32) -> list[Answered]:
-    """The target's greedy answers (our engine, mode ar, batched), cached on disk."""
+    """The target's greedy answers (our engine, mode ar, batched), cached on disk per prompt."""
     from adaflash.config import DataplaneConfig
     from dataplane.engine import Engine
     from dataplane.sequence import SamplingParams, Sequence
@@ -129,25 +143,26 @@ def answer(target, tok, prompts: list[dict], max_tokens: int, cache_file: Path, 
 
     texts = [chat_prefix(tok, p["prompt"]) for p in prompts]
     ids = [tok.encode(t) for t in texts]
-    if cache_file.is_file():
-        rows = ds.read_jsonl(str(cache_file))
-        if [r["id"] for r in rows] == [p["id"] for p in prompts]:
-            return [Answered(p, t, i, r["output_ids"]) for p, t, i, r in zip(prompts, texts, ids, rows, strict=True)]
-    eng = Engine(target, DataplaneConfig(mode="ar", max_running=concurrency), None,
-                 eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
-    seqs = [Sequence(p["id"], i, params=SamplingParams(max_tokens=max_tokens)) for p, i in zip(prompts, ids, strict=True)]
-    for s in seqs:
-        eng.add(s)
-    with tqdm(total=len(seqs), desc=desc, unit="answer") as bar:
-        done = 0
-        while eng.step():
-            now = sum(1 for s in seqs if s.finished_at is not None)
-            bar.update(now - done)
-            done = now
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    ds.write_jsonl([{"id": p["id"], "output_ids": s.output_ids} for p, s in zip(prompts, seqs, strict=True)],
-                   str(cache_file))
-    return [Answered(p, t, i, s.output_ids) for p, t, i, s in zip(prompts, texts, ids, seqs, strict=True)]
+    have = _cached_answers(cache_file)
+    todo = [j for j, p in enumerate(prompts) if p["id"] not in have]
+    if todo:
+        eng = Engine(target, DataplaneConfig(mode="ar", max_running=concurrency), None,
+                     eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
+        seqs = [Sequence(prompts[j]["id"], ids[j], params=SamplingParams(max_tokens=max_tokens)) for j in todo]
+        for s in seqs:
+            eng.add(s)
+        with tqdm(total=len(seqs), desc=desc, unit="answer") as bar:
+            done = 0
+            while eng.step():
+                now = sum(1 for s in seqs if s.finished_at is not None)
+                bar.update(now - done)
+                done = now
+        have.update({prompts[j]["id"]: s.output_ids for j, s in zip(todo, seqs, strict=True)})
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        ds.write_jsonl([{"id": k, "output_ids": v} for k, v in have.items()], str(tmp))
+        tmp.replace(cache_file)
+    return [Answered(p, t, i, have[p["id"]]) for p, t, i in zip(prompts, texts, ids, strict=True)]
 
 
 def to_record(a: Answered, tok, identity: dict, tenant: str, domain: str):
@@ -330,9 +345,9 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         raise ValueError(f"domain {domain} has only {len(stream_p)} stream prompts for {rounds} x {records_per_round}")
     eval_p = nd.heldout(n_eval)
     stream = answer(target, tok, stream_p, max_tokens,
-                    _cache_file(cache, identity["id"], domain, "stream", len(stream_p), max_tokens), "stream answers")
+                    _cache_file(cache, identity["id"], domain, "stream", max_tokens), "stream answers")
     held = answer(target, tok, eval_p, max_tokens,
-                  _cache_file(cache, identity["id"], domain, "heldout", len(eval_p), max_tokens), "held-out answers")
+                  _cache_file(cache, identity["id"], domain, "heldout", max_tokens), "held-out answers")
     sup = Supervisor(target, tok, identity, list(starter.config.target_layers), max_tokens=lc.max_record_tokens,
                      prompt_format="as_sent")
     records = [to_record(a, tok, identity, f"tenant-{domain}", nd.base) for a in stream]

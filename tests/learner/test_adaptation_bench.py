@@ -99,3 +99,29 @@ def test_bench_cli_rejects_bad_input(capsys):
     assert main(["bench", "adaptation", "--domain", "poetry"]) != 0
     assert "unknown domain" in capsys.readouterr().err
     assert main(["bench", "adaptation", "--drafter", "/nonexistent"]) != 0
+
+
+def test_answers_are_cached_per_prompt_across_counts(target, target_dir, tmp_path):
+    """A longer run reuses the answers a shorter one (or an older per-count file) produced
+    and generates only the missing prompts."""
+    from adaflash import datasets as ds
+    from bench.adaptation import _cache_file, answer
+    from dataplane.tokenizer import Tokenizer
+
+    tok = Tokenizer(target_dir)
+    prompts = ds.train_prompts("math", 4, offset=500_000)
+    f = _cache_file(tmp_path, "tiny", "math", "stream", 12)
+    legacy = f.parent / "math-stream-n1-t12.jsonl"
+    f.parent.mkdir(parents=True)
+    ds.write_jsonl([{"id": prompts[0]["id"], "output_ids": [7, 7, 7]}], str(legacy))
+    two = answer(target, tok, prompts[:2], 12, f, "answers", concurrency=2)
+    assert two[0].output_ids == [7, 7, 7]  # from the older per-count file, not regenerated
+    assert len(two[1].output_ids) > 0
+    rows = {r["id"]: r["output_ids"] for r in ds.read_jsonl(str(f))}
+    assert rows == {prompts[0]["id"]: [7, 7, 7], prompts[1]["id"]: two[1].output_ids}
+    ds.write_jsonl([{"id": prompts[1]["id"], "output_ids": [5]}, {"id": prompts[0]["id"], "output_ids": [7, 7, 7]}],
+                   str(f))
+    four = answer(target, tok, prompts, 12, f, "answers", concurrency=2)
+    assert [a.output_ids for a in four[:2]] == [[7, 7, 7], [5]]  # cached rows win, in the prompts' order
+    assert [a.prompt["id"] for a in four] == [p["id"] for p in prompts]
+    assert len({r["id"] for r in ds.read_jsonl(str(f))}) == 4
