@@ -204,13 +204,12 @@ class StepCost:
         """A CostModel fitted to these times (concurrency 1: base + per_token * m)."""
         import numpy as np
 
-        from dataplane.cost_model import MIN_SEEN, CostModel
+        from dataplane.cost_model import CostModel
 
         m = np.arange(1, len(self.verify_s) + 1, dtype=float)
         slope, intercept = np.polyfit(m, np.array(self.verify_s), 1)
         c = CostModel(base_s=max(intercept, 1e-4), per_request_s=0.0, per_token_s=max(slope, 1e-6),
                       draft_per_request_s=self.draft_s)
-        c.single = {m: (t, MIN_SEEN) for m, t in enumerate(self.verify_s, start=1)}  # the measured curve
         return c
 
 

@@ -18,16 +18,7 @@ the expected number of accepted drafts out of k - 1 equals the head's a * (k - 1
     p + p^2 + ... + p^(k-1) = a * (k - 1)
     expected tokens of verifying m = 1 + p + ... + p^(m-1)
 
-and m maximises expected tokens per unit of step time.
-
-A single request's step is where the linear model is worst: a CPU multiplies one row
-(matrix-vector) much faster than a few, and small-row matmuls step up at kernel
-boundaries (measured on the real model, 128 cached tokens: 1/2/3/4 tokens take
-40/45/47/65 ms). So the model also keeps the measured time of each one-request step
-length (an EMA per length) and prices a lone request's m from it once a length has been
-seen ``MIN_SEEN`` times, from the fit before; lengths it picks are thereby measured.
-
-With a weak drafter (a * (k - 1)
+and m maximises expected tokens per unit of step time. With a weak drafter (a * (k - 1)
 well below 1) the first draft can still pay where a verify token is cheap (few requests),
 which the paper's floor(gamma * a * k) rule, made for strong drafters, rounds to 1.
 """
@@ -39,11 +30,6 @@ from collections import deque
 import numpy as np
 
 
-MIN_SEEN = 3  # one-request steps of a length measured before its EMA replaces the fit
-SINGLE_EMA = 0.2
-MAX_SINGLE_TOKENS = 64
-
-
 class CostModel:
     def __init__(self, base_s: float = 0.08, per_request_s: float = 0.004, per_token_s: float = 0.0025,
                  draft_per_request_s: float = 0.01, window: int = 256):
@@ -51,14 +37,9 @@ class CostModel:
         self.coef = self.prior.copy()
         self.draft_per_request_s = draft_per_request_s
         self.obs: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self.single: dict[int, tuple[float, int]] = {}  # tokens -> (EMA seconds, steps seen), batch 1
 
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
         self.obs.append((batch, tokens, seconds))
-        if batch == 1 and tokens <= MAX_SINGLE_TOKENS:
-            t, n = self.single.get(tokens, (seconds, 0))
-            w = max(SINGLE_EMA, 1.0 / (n + 1))
-            self.single[tokens] = ((1.0 - w) * t + w * seconds, n + 1)
         if len(self.obs) >= 8 and len(self.obs) % 4 == 0:
             self._fit()
 
@@ -75,10 +56,6 @@ class CostModel:
         self.coef = np.maximum(coef, 1e-5)
 
     def step_time(self, batch: int, tokens: int) -> float:
-        if batch == 1:
-            t, n = self.single.get(tokens, (0.0, 0))
-            if n >= MIN_SEEN:
-                return t
         base, per_req, per_tok = self.coef
         return float(base + per_req * batch + per_tok * tokens)
 
@@ -117,25 +94,19 @@ class CostModel:
         did not pay even at the best length (the caller backs off); m ignores it, because
         by the time m is chosen the drafter has already run.
         """
-        if batch == 1:  # a lone request: its own measured curve where it has one
-            ar_share = self.step_time(1, 1)
-            extra = [max(0.0, self.step_time(1, m) - ar_share) for m in range(1, cap + 1)]
-        else:
-            base, per_req, per_tok = self.coef
-            ar_share = base / max(batch, 1) + per_req + per_tok
-            extra = [per_tok * (m - 1) for m in range(1, cap + 1)]
+        base, per_req, per_tok = self.coef
+        ar_share = base / max(batch, 1) + per_req + per_tok
         best_m, best_rate, tokens = 1, 1.0, 1.0
         for m in range(2, cap + 1):
             tokens += p ** (m - 1)
-            rate = tokens / (1.0 + extra[m - 1] / ar_share)
+            rate = tokens / (1.0 + per_tok * (m - 1) / ar_share)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         exp_tokens = 1.0 + self.expected_accepted(p, best_m - 1)
-        gain = exp_tokens / (1.0 + (extra[best_m - 1] + self.draft_per_request_s) / ar_share)
+        gain = exp_tokens / (1.0 + (per_tok * (best_m - 1) + self.draft_per_request_s) / ar_share)
         return best_m, gain
 
     def snapshot(self) -> dict:
         base, per_req, per_tok = self.coef
         return {"base_s": base, "per_request_s": per_req, "per_token_s": per_tok,
-                "draft_per_request_s": self.draft_per_request_s, "observations": len(self.obs),
-                "single_request_s": {t: v for t, (v, n) in sorted(self.single.items()) if n >= MIN_SEEN}}
+                "draft_per_request_s": self.draft_per_request_s, "observations": len(self.obs)}

@@ -106,29 +106,3 @@ def test_node_backs_off_the_drafter_when_no_request_would_verify_a_draft(tiny_ta
     ar = [s.output_ids for s in run(make_engine(tiny_target, mode="ar", max_running=4), ps, max_tokens=12)]
     assert with_out == without_out == ar
     assert 0 < with_calls and with_calls * 2 <= without_calls
-
-
-def test_a_lone_request_is_priced_from_its_measured_step_curve():
-    """Small-row matmuls step up at kernel boundaries (here 1-3 rows cheap, 4+ dear). The
-    linear fit misprices that; once each length is measured a few times, a lone request
-    verifies the length that really pays, and batched steps keep the fit."""
-    from dataplane.cost_model import MIN_SEEN
-
-    curve = {1: 0.049, 2: 0.052, 3: 0.057, 4: 0.074, 5: 0.075, 6: 0.079, 7: 0.083, 8: 0.084}
-    c = _model(0.047, 0.0, 0.002, draft=0.008)
-    p = 0.45
-    assert c.best_length(p, 8, 1)[0] == 4  # the linear price
-    for t, s in curve.items():
-        for _ in range(MIN_SEEN - 1):
-            c.observe_verify(1, t, s)
-    base, per_req, per_tok = c.coef  # not trusted before MIN_SEEN steps of a length: the fit
-    assert c.step_time(1, 4) == pytest.approx(base + per_req + 4 * per_tok)
-    for t, s in curve.items():
-        c.observe_verify(1, t, s)
-    assert c.step_time(1, 4) == pytest.approx(0.074)
-    rates = {m: sum(p ** i for i in range(m)) / curve[m] for m in curve}
-    m, gain = c.best_length(p, 8, 1)
-    assert m == max(rates, key=rates.get) == 3
-    assert gain == pytest.approx((1 + p + p * p) / (1 + (curve[3] - curve[1] + 0.008) / curve[1]))
-    assert c.best_length(p, 8, 4)[0] == _brute(c, p, 8, 4)  # batches still priced by the fit
-    assert c.snapshot()["single_request_s"][3] == pytest.approx(0.057)
