@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI
 
 from adaflash.config import Settings, load_config
-from controlplane import auth
+from controlplane import auth, console
 from controlplane.api import errors
 from controlplane.api.deps import current_principal
 from controlplane.api.routes import audit, evaluations, keys, nodes, tenants, versions
@@ -68,6 +68,7 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True) -> Fas
                    tenants.router, tenants.deletions, audit.router, keys.router):
         api.include_router(router)
     app.include_router(api)
+    console.install(app)  # the web console at /console (same keys, roles and actions)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz():
