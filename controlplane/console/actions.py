@@ -28,7 +28,7 @@ FormText = Annotated[str, Form(max_length=2000)]
 
 @router.post("/login")
 def login(request: Request, api_key: Annotated[str, Form(max_length=4096)], csrf: Csrf,
-          next: Annotated[str, Form(max_length=512)] = "/console/versions") -> Response:
+          next: Annotated[str, Form(max_length=512)] = "/console") -> Response:
     s = sess.load(request)
     try:
         sess.check_csrf(request, s, csrf)
@@ -36,10 +36,10 @@ def login(request: Request, api_key: Annotated[str, Form(max_length=4096)], csrf
             principal = authenticate(db, api_key.strip(), request.app.state.settings.controlplane,
                                      request.app.state.jwt_secret)
     except ControlPlaneError as e:
-        return render(request, s, "login.html", status=e.status, next="/console/versions", error=e.message)
+        return render(request, s, "login.html", status=e.status, next="/console", error=e.message)
     # A fresh CSRF token with every login: a token seen before the login is worth nothing after it.
     fresh = sess.ConsoleSession(csrf=sess.secrets.token_hex(16), key=api_key.strip(), principal=principal)
-    return sess.save(request, redirect(next if next.startswith("/console/") else "/console/versions"), fresh)
+    return sess.save(request, redirect(next if next.startswith("/console") and "//" not in next else "/console"), fresh)
 
 
 @router.post("/logout")

@@ -36,10 +36,9 @@ def home(request: Request) -> Response:
 
 
 @router.get("/login")
-def login_form(request: Request, next: str = "/console/versions") -> Response:
+def login_form(request: Request, next: str = "/console") -> Response:
     s = sess.load(request)
-    return render(request, s, "login.html", next=next if next.startswith("/console") else "/console/versions",
-                  error=None)
+    return render(request, s, "login.html", next=next if next.startswith("/console") else "/console", error=None)
 
 
 @router.get("/versions")
