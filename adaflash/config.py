@@ -205,6 +205,10 @@ class ControlplaneConfig(BaseModel):
     # so sessions end when it restarts. A session lasts console_session_s.
     console_secret_env: str = "ADAFLASH_CONSOLE_SECRET"
     console_session_s: float = 8 * 3600.0
+    # GET /metrics (Prometheus): the learner group's consumer lag is read from kafka.*
+    # with a short timeout and cached this long; off: no lag metric (no broker access).
+    metrics_kafka_lag: bool = True
+    metrics_lag_cache_s: float = 15.0
 
 
 class TelemetryConfig(BaseModel):
