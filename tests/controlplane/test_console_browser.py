@@ -182,11 +182,12 @@ def test_auditor_sees_only_their_tenant(browser, console):
     ctx.close()
 
 
-def test_bad_key_and_logout(browser, console):
+def test_bad_key_and_logout(browser, console, tmp_path):
     st, _ = console
     st.keys["bogus"] = "adf_0000_not-a-key"
     ctx, page = login(browser, st, "bogus")
     assert page.url.endswith("/console/login") and page.locator(".error").is_visible()
+    shoot(page, "login-refused", tmp_path)
     assert ctx.cookies() and page.goto(f"{st.cp.url}/console/versions").url.endswith("/console/login?next=/console/versions")
     ctx.close()
     ctx, page = login(browser, st, "viewer")
