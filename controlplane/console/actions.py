@@ -68,19 +68,19 @@ def _version_action(request: Request, version: str, csrf: str, roles, act, done:
 @router.post("/versions/{version}/approve")
 def approve(request: Request, version: VersionPath, csrf: Csrf, reason: FormText = "") -> Response:
     return _version_action(request, version, csrf, APPROVE, lambda db, s: versions.approve(
-        version, ApproveIn(reason=reason), db, request.app.state.policy, s.principal), "approved")
+        version=version, body=ApproveIn(reason=reason), session=db, policy=request.app.state.policy, who=s.principal), "approved")
 
 
 @router.post("/versions/{version}/reject")
 def reject(request: Request, version: VersionPath, csrf: Csrf, reason: FormText = "") -> Response:
     return _version_action(request, version, csrf, APPROVE, lambda db, s: versions.reject(
-        version, ReasonIn(reason=reason), db, s.principal), "rejected")
+        version=version, body=ReasonIn(reason=reason), session=db, who=s.principal), "rejected")
 
 
 @router.post("/versions/{version}/rollback")
 def rollback(request: Request, version: VersionPath, csrf: Csrf, reason: FormText = "") -> Response:
     return _version_action(request, version, csrf, APPROVE, lambda db, s: versions.rollback(
-        version, ReasonIn(reason=reason), db, s.principal), "rolled_back")
+        version=version, body=ReasonIn(reason=reason), session=db, who=s.principal), "rolled_back")
 
 
 def _node_ids(text: str) -> list[str]:
@@ -90,14 +90,14 @@ def _node_ids(text: str) -> list[str]:
 @router.post("/versions/{version}/pin")
 def pin(request: Request, version: VersionPath, csrf: Csrf, reason: FormText = "", nodes: FormText = "") -> Response:
     return _version_action(request, version, csrf, ADMIN, lambda db, s: versions.pin(
-        version, PinIn(node_ids=_node_ids(nodes), reason=reason), db, s.principal), "pinned")
+        version=version, body=PinIn(node_ids=_node_ids(nodes), reason=reason), session=db, who=s.principal), "pinned")
 
 
 @router.post("/versions/{version}/unpin")
 def unpin(request: Request, version: VersionPath, csrf: Csrf, reason: FormText = "",
           nodes: FormText = "") -> Response:
     return _version_action(request, version, csrf, ADMIN, lambda db, s: versions.unpin(
-        version, PinIn(node_ids=_node_ids(nodes), reason=reason), db, s.principal), "unpinned")
+        version=version, body=PinIn(node_ids=_node_ids(nodes), reason=reason), session=db, who=s.principal), "unpinned")
 
 
 @router.post("/tenants/{tenant_id}/policy")
@@ -109,7 +109,7 @@ def put_policy(request: Request, tenant_id: TenantPath, csrf: Csrf, sampling_rat
         require(s.principal, ADMIN)
         body = TenantPolicyIn(sampling_rate=sampling_rate, opt_out=opt_out, ttl_days=ttl_days, share_cap=share_cap)
         with request.app.state.sessions() as db:
-            tenants.put_policy(tenant_id, body, db, s.principal)
+            tenants.put_policy(tenant_id=tenant_id, body=body, session=db, who=s.principal)
         return redirect(f"/console/tenants/{tenant_id}", "policy")
 
     return guard(request, run)
@@ -125,7 +125,7 @@ def create_deletion(request: Request, csrf: Csrf, tenant_id: Annotated[str, Form
         body = DeletionIn(tenant_id=tenant_id, scope=DeletionScope(scope) if scope in DeletionScope.__members__
                           else scope, ids=_node_ids(ids), reason=reason)
         with request.app.state.sessions() as db:
-            tenants.create_deletion(body, db, request.app.state.settings, s.principal)
+            tenants.create_deletion(body=body, session=db, settings=request.app.state.settings, who=s.principal)
         return redirect("/console/deletions", "deletion")
 
     return guard(request, run)

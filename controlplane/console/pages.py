@@ -46,7 +46,7 @@ def versions_page(request: Request, state: str | None = None) -> Response:
     def page(s: sess.ConsoleSession) -> Response:
         require(s.principal, READ)
         with request.app.state.sessions() as db:
-            rows = versions.list_versions(None, 200, 0, db, s.principal)
+            rows = versions.list_versions(state=None, limit=200, offset=0, session=db, _=s.principal)
         if state:
             rows = [v for v in rows if v.state == state]
         return render(request, s, "versions.html", versions=rows, state=state, pending=PENDING)
@@ -65,9 +65,9 @@ def version_page(request: Request, version: VersionPath) -> Response:
         require(s.principal, READ)
         settings = request.app.state.settings
         with request.app.state.sessions() as db:
-            detail = versions.get_version(version, db, s.principal)
-            evals = [evaluations.get_evaluation(i, db, s.principal) for i in detail.evaluation_ids]
-            node_rows = nodes.list_nodes(db, settings, s.principal)
+            detail = versions.get_version(version=version, session=db, _=s.principal)
+            evals = [evaluations.get_evaluation(evaluation_id=i, session=db, _=s.principal) for i in detail.evaluation_ids]
+            node_rows = nodes.list_nodes(session=db, settings=settings, _=s.principal)
         latest = evals[-1] if evals else None
         return render(request, s, "version.html", v=detail, evaluation=latest, report=(latest.report or {})
                       if latest else {}, evaluations=evals, serving=_live(node_rows, version),
@@ -84,7 +84,8 @@ def plot(request: Request, evaluation_id: EvaluationPath,
     def page(s: sess.ConsoleSession) -> Response:
         require(s.principal, READ)
         with request.app.state.sessions() as db:
-            return evaluations.get_plot(evaluation_id, name, db, request.app.state.settings, s.principal)
+            return evaluations.get_plot(evaluation_id=evaluation_id, name=name, session=db,
+                                        settings=request.app.state.settings, _=s.principal)
 
     return guard(request, page)
 
@@ -94,7 +95,7 @@ def nodes_page(request: Request) -> Response:
     def page(s: sess.ConsoleSession) -> Response:
         require(s.principal, READ)
         with request.app.state.sessions() as db:
-            rows = nodes.list_nodes(db, request.app.state.settings, s.principal)
+            rows = nodes.list_nodes(session=db, settings=request.app.state.settings, _=s.principal)
         return render(request, s, "nodes.html", nodes=rows)
 
     return guard(request, page)
@@ -107,7 +108,7 @@ def tenants_page(request: Request, tenant: Annotated[str | None, Query(pattern=I
         if tenant:
             return redirect(f"/console/tenants/{tenant}")
         with request.app.state.sessions() as db:
-            rows = tenants.list_tenants(db, s.principal)
+            rows = tenants.list_tenants(session=db, who=s.principal)
         return render(request, s, "tenants.html", tenants=rows, scope=s.principal.tenant_scope())
 
     return guard(request, page)
@@ -119,13 +120,19 @@ def tenant_page(request: Request, tenant_id: TenantPath) -> Response:
         require(s.principal, AUDITORS)
         settings = request.app.state.settings
         with request.app.state.sessions() as db:
-            policy = tenants.get_policy(tenant_id, db, settings, s.principal)
-            trail = audit.list_audit(0, 500, None, tenant_id, db, s.principal)
-            deletions = tenants.list_deletions(tenant_id, None, None, None, 100, 0, db, settings, s.principal)
+            policy = tenants.get_policy(tenant_id=tenant_id, session=db, settings=settings, who=s.principal)
+            trail = audit.list_audit(after_seq=0, limit=500, action=None, tenant_id=tenant_id, session=db,
+                                     who=s.principal)
+            deletions = _deletions(db, settings, s, tenant_id)
         return render(request, s, "tenant.html", policy=policy, trail=trail, deletions=deletions,
                       may_edit=may(s.principal, ADMIN))
 
     return guard(request, page)
+
+
+def _deletions(db, settings, s: sess.ConsoleSession, tenant_id: str | None) -> list:
+    return tenants.list_deletions(tenant_id=tenant_id, state=None, component=None, instance=None, limit=200, offset=0,
+                                  session=db, settings=settings, who=s.principal)
 
 
 @router.get("/deletions")
@@ -134,8 +141,8 @@ def deletions_page(request: Request) -> Response:
         require(s.principal, AUDITORS)
         settings = request.app.state.settings
         with request.app.state.sessions() as db:
-            rows = tenants.list_deletions(None, None, None, None, 200, 0, db, settings, s.principal)
-            chain = audit.verify(db, s.principal)
+            rows = _deletions(db, settings, s, None)
+            chain = audit.verify(session=db, _=s.principal)
         return render(request, s, "deletions.html", deletions=rows, chain=chain, may_request=may(s.principal, ADMIN))
 
     return guard(request, page)
@@ -146,8 +153,9 @@ def audit_page(request: Request) -> Response:
     def page(s: sess.ConsoleSession) -> Response:
         require(s.principal, AUDITORS)
         with request.app.state.sessions() as db:
-            chain = audit.verify(db, s.principal)
-            entries = audit.list_audit(max(0, chain.entries - 200), 200, None, None, db, s.principal)
+            chain = audit.verify(session=db, _=s.principal)
+            entries = audit.list_audit(after_seq=max(0, chain.entries - 200), limit=200, action=None, tenant_id=None,
+                                       session=db, who=s.principal)
         return render(request, s, "audit.html", chain=chain, entries=list(reversed(entries)))
 
     return guard(request, page)

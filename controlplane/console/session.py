@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from cryptography.fernet import Fernet, InvalidToken
 from fastapi import Request
@@ -82,17 +83,24 @@ def load(request: Request) -> ConsoleSession:
     return s
 
 
+def _https(request: Request) -> bool:
+    """Served over TLS, here or at the proxy in front (an Ingress terminating TLS says so)."""
+    forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return request.url.scheme == "https" or forwarded == "https"
+
+
 def save(request: Request, response: Response, s: ConsoleSession) -> Response:
     response.set_cookie(COOKIE, request.app.state.console_codec.encode(s), max_age=int(
         request.app.state.console_codec.max_age_s), path=COOKIE_PATH, httponly=True, samesite="strict",
-        secure=request.url.scheme == "https")
+        secure=_https(request))
     return response
 
 
 def check_csrf(request: Request, s: ConsoleSession, token: str | None) -> None:
-    """A form post must carry the session's token and, if the browser says where it came from, come from here."""
+    """A form post must carry the session's token and, if the browser says where it came from, come
+    from this host (the scheme is not compared: a proxy may terminate TLS in front of us)."""
     origin = request.headers.get("origin")
-    if origin and origin != "null" and origin.rstrip("/") != f"{request.url.scheme}://{request.url.netloc}":
+    if origin and origin != "null" and urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower():
         raise Forbidden(f"cross-site form post from {origin} refused")
     if not token or not hmac.compare_digest(token, s.csrf):
         raise Forbidden("missing or wrong CSRF token: reload the page and try again")
