@@ -46,11 +46,16 @@ def console(tmp_path_factory, real_target_dir):
 
 
 def shoot(page, name: str, tmp_path: Path) -> None:
-    """A full-page PNG under tmp_path (and under $ADAFLASH_CONSOLE_SCREENSHOTS when set)."""
-    for d in [tmp_path, os.environ.get("ADAFLASH_CONSOLE_SCREENSHOTS")]:
-        if d:
-            Path(d).mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(Path(d) / f"{name}.png"), full_page=True)
+    """A full-page PNG under tmp_path, and a 128-colour copy under $ADAFLASH_CONSOLE_SCREENSHOTS when set."""
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    keep = os.environ.get("ADAFLASH_CONSOLE_SCREENSHOTS")
+    if keep:
+        from PIL import Image
+
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        small = Image.open(path).convert("RGB").quantize(colors=128, dither=Image.Dither.NONE)
+        small.save(Path(keep) / f"{name}.png", optimize=True)
 
 
 def login(browser, st, role: str):
