@@ -203,6 +203,15 @@ class ControlplaneConfig(BaseModel):
     # Learners whose acknowledgement a deletion request waits for (learner.learner_id of
     # each); with every known node and the control plane itself.
     deletion_learners: list[str] = Field(default_factory=lambda: ["learner"])
+    # The web console at /console: its session cookie is encrypted and signed with the
+    # secret in this env var (shared by every replica); unset: a random secret per process,
+    # so sessions end when it restarts. A session lasts console_session_s.
+    console_secret_env: str = "ADAFLASH_CONSOLE_SECRET"
+    console_session_s: float = 8 * 3600.0
+    # GET /metrics (Prometheus): the learner group's consumer lag is read from kafka.*
+    # with a short timeout and cached this long; off: no lag metric (no broker access).
+    metrics_kafka_lag: bool = True
+    metrics_lag_cache_s: float = 15.0
 
 
 class TelemetryConfig(BaseModel):
