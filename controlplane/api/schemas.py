@@ -8,9 +8,10 @@ from typing import Annotated, Any, Literal
 from fastapi import Query
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
+from adaflash.contracts.tenancy import TENANT_ID_PATTERN
 from controlplane.states import DeletionScope, DeletionState, NodeRole, Role
 
-ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+ID_PATTERN = TENANT_ID_PATTERN  # tenant ids, and component names that follow the same rule
 VERSION_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 NODE_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 
