@@ -278,9 +278,19 @@ def _placeholders(text: str) -> list[tuple[int, int]]:
 
 
 def _name_words(text: str, found: list) -> set[str]:
-    """Words of the names found, except lower-case particles ("van", "de") and greetings."""
-    return {w for r in found if r.entity_type == "PERSON" for w in _NAME_WORD.findall(text[r.start:r.end])
-            if len(w) >= 2 and not w[0].islower() and w.lower() not in NOT_NAMES}
+    """Words of the names found, except lower-case particles ("van", "de") and greetings.
+    Only names of two words or more, or found by their place in the text: a lone word the
+    model took for a name in code ("Mean") is not spread further."""
+    out: set[str] = set()
+    for r in found:
+        if r.entity_type != "PERSON":
+            continue
+        words = [w for w in _NAME_WORD.findall(text[r.start:r.end])
+                 if len(w) >= 2 and not w[0].islower() and w.lower() not in NOT_NAMES]
+        by_place = (r.recognition_metadata or {}).get("recognizer_name") == "name_structure_recognizer"
+        if len(words) >= 2 or by_place:
+            out.update(words)
+    return out
 
 
 def _propagate_names(text: str, found: list, words: set[str]) -> list:
