@@ -191,7 +191,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(result["target_recall"], color="k", ls="--", lw=1, label=f"target recall {result['target_recall']}")
     for i in x:
         ax.text(i - w / 2, rec[i] + 0.01, f"{rec[i]:.3f}", ha="center", fontsize=7)
-        ax.text(i + w / 2, prec[i] + 0.01, f"{prec[i]:.3f}", ha="center", fontsize=7)
+        none = pt[types[i]]["precision"] is None  # nothing of this type was replaced
+        ax.text(i + w / 2, prec[i] + 0.01, "n/a" if none else f"{prec[i]:.3f}", ha="center", fontsize=7)
     ax.set_xticks(list(x), [f"{t}\n(n={pt[t]['labelled']})" for t in types], fontsize=8)
     ax.set_ylim(0, 1.12)
     ax.legend(fontsize=8, loc="lower left")
