@@ -394,8 +394,10 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
                         "ADAFLASH_DATAPLANE__CONTROLPLANE_TOKEN_FILE": str(node_token)})
 
             def before(svc: Service, cp_url=cp_url) -> None:
-                # the reconciler and the feedback policy source read the key from the file
                 ensure_node_key(cp_url, admin_token, node_token, sc.node_id)
+                # the node reads the key from the file; the variable (which wins) is set too,
+                # so a stale one inherited from the shell cannot shadow the fresh key
+                svc.env[settings.dataplane.controlplane_token_env] = read_file(node_token) or ""
         services.append(Service(
             "dataplane", _cli(config, "serve", "--host", host, "--port", str(port)), env,
             lambda: http_ok(f"{node_url}/readyz"), port, node_url, before_start=before))
