@@ -10,8 +10,7 @@ part adds. What is here:
   Name words are capitalised Latin words (hyphens, apostrophes, particles such as van,
   de, da, bin) or words in scripts without case (Arabic, Devanagari, Han, Kana, Hangul);
 - phone numbers in any national format (digits with the usual separators, 7-15 digits,
-  not a date, time or IP), beside Presidio's phonenumbers-based recognizer run for more
-  regions;
+  not a date, time or IP), in place of Presidio's phonenumbers-based recognizer;
 - card numbers of 12-19 digits that pass the Luhn check, however they are grouped;
 - national ids: Presidio's recognizers for other countries registered for English text
   (UK NINO, Spanish NIF/NIE, Italian codice fiscale, PESEL, Turkish id, Aadhaar, Korean
@@ -214,10 +213,7 @@ NATIONAL_ID_ENTITIES: tuple[str, ...] = (
 
 
 def phone_recognizers() -> list:
-    """Presidio's phonenumbers-based recognizer for more regions, and the pattern above."""
-    from presidio_analyzer.predefined_recognizers import PhoneRecognizer
-
-    regions = ("US", "GB", "DE", "FR", "ES", "IT", "PT", "BR", "NL", "PL", "TR", "IN", "JP", "CN", "KE", "NG",
-               "ZA", "SA", "AE", "VN", "CA", "IL", "AU")
-    return [PhoneRecognizer(supported_language="en", supported_regions=regions, name="phone_regions_recognizer"),
-            PhonePatternRecognizer()]
+    """The pattern above, in place of Presidio's phonenumbers-based recognizer: that one
+    parses the text once per region (45 ms per 1,300 characters for 23 regions here) and
+    found nothing the pattern missed in ``adaflash bench pii``."""
+    return [PhonePatternRecognizer()]
