@@ -18,6 +18,7 @@ import json
 import random
 import string
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from faker import Faker
 
@@ -145,6 +146,10 @@ class Values:
     def address(self) -> str:
         return self.f.address()
 
+    def when(self) -> datetime:
+        """A moment in a fixed window (Faker's defaults end at 'now', which is not reproducible)."""
+        return self.f.date_time_between(start_date=datetime(2019, 1, 1), end_date=datetime(2025, 12, 31))
+
     # -- secrets -----------------------------------------------------------------------
     def _chars(self, alphabet: str, n: int) -> str:
         return "".join(self.rng.choice(alphabet) for _ in range(n))
@@ -243,7 +248,7 @@ def quoted_email(v: Values, b: _Builder) -> None:
     p, q = v.person(), v.person()
     c = v.rng.randrange(3)
     if c == 0:
-        b.lit(f"Can you draft a reply to this?\n\nOn {v.f.date()}, ").val("person", p).lit(" <")
+        b.lit(f"Can you draft a reply to this?\n\nOn {v.when().date().isoformat()}, ").val("person", p).lit(" <")
         b.val("email", v.email()).lit("> wrote:\n> " + v.rng.choice(BODIES) + "\n> Please call ")
         b.val("phone", v.phone()).lit(" if anything is unclear.")
     elif c == 1:
@@ -251,7 +256,7 @@ def quoted_email(v: Values, b: _Builder) -> None:
         b.lit(" <").val("email", v.email()).lit(f">\nSubject: {v.f.catch_phrase()}\n\n{v.rng.choice(BODIES)}\n")
     else:
         b.lit("Summarise this thread:\n-----Original Message-----\nFrom: ").val("person", p)
-        b.lit(f"\nSent: {v.f.date()}\nTo: ").val("email", v.email()).lit("\n\nHi ").val("person", v.first_name(q))
+        b.lit(f"\nSent: {v.when().date().isoformat()}\nTo: ").val("email", v.email()).lit("\n\nHi ").val("person", v.first_name(q))
         b.lit(", the payment with card ").val("card", v.card()).lit(" failed again.")
 
 
@@ -285,7 +290,7 @@ def code(v: Values, b: _Builder) -> None:
 
 
 def log(v: Values, b: _Builder) -> None:
-    ts = v.f.iso8601()
+    ts = v.when().isoformat()
     c = v.rng.randrange(6)
     if c == 0:
         b.lit(f"{ts} INFO login ok user=").val("email", v.email()).lit(" ip=").val("other", v.f.ipv4(), "ip")
