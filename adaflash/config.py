@@ -108,6 +108,14 @@ class GovernanceConfig(BaseModel):
     usage_db_path: str = ""  # empty: $ADAFLASH_HOME/governance/usage.db
     policy_ttl_s: float = 30.0
     policy_timeout_s: float = 1.0
+    # Fail closed: a tenant whose policy the node cannot learn from the control plane is
+    # treated as opted out. Its records are held (in memory, at most policy_hold_max in
+    # all, each at most policy_hold_s) and emitted or dropped once the policy is known;
+    # the rest are dropped and counted (reason no_policy). The policy is asked again
+    # every policy_retry_s. policy_hold_max 0: drop at once.
+    policy_hold_max: int = Field(default=1000, ge=0)
+    policy_hold_s: float = Field(default=600.0, gt=0.0)
+    policy_retry_s: float = Field(default=5.0, gt=0.0)
     # PII score threshold (Presidio); lower catches more.
     pii_score_threshold: float = 0.3
     # "process": scrub in a niced child process (keeps Presidio off the serving process's GIL);

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
+from adaflash import credentials
 from adaflash.config import Settings
 from adaflash.contracts.admin_api import (
     ApproveIn,
@@ -237,22 +238,16 @@ def resolve_url(settings: Settings, url: str | None = None) -> str:
 
 def token_path(settings: Settings) -> Path:
     """The admin-token file the control plane writes on first start."""
-    cfg = settings.controlplane
-    return Path(cfg.admin_token_file) if cfg.admin_token_file else Path(settings.home) / "admin-token"
+    return credentials.controlplane_admin(settings).path
 
 
 def resolve_token(settings: Settings, token: str | None = None) -> str:
     """The API key to send: explicit, ``$ADAFLASH_TOKEN``, or the admin-token file; raises if none."""
     if token:
         return token
-    if os.environ.get(TOKEN_ENV, "").strip():
-        return os.environ[TOKEN_ENV].strip()
-    path = token_path(settings)
-    try:
-        found = path.read_text().strip()
-    except OSError:
-        found = ""
+    cred = credentials.controlplane_admin(settings)
+    found = credentials.lookup(credentials.Credential(cred.name, TOKEN_ENV, cred.files))
     if not found:
         raise ControlPlaneError(None, "no_credentials",
-                                f"no API key: set ${TOKEN_ENV} or pass --token-file (no admin key at {path})")
+                                f"no API key: set ${TOKEN_ENV} or pass --token-file (no admin key at {cred.path})")
     return found

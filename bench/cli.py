@@ -1,4 +1,4 @@
-"""``adaflash bench throughput | adaptation | feedback``: benchmarks that print JSON and draw PNGs."""
+"""``adaflash bench throughput | adaptation | feedback | pii``: benchmarks that print JSON and draw PNGs."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         from bench.feedback import register_bench as reg_feedback
 
         reg_feedback(bsub)
+    except ImportError:
+        pass
+    try:
+        from bench.pii import register_bench as reg_pii
+
+        reg_pii(bsub)
     except ImportError:
         pass
     try:

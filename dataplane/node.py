@@ -34,23 +34,6 @@ STARTER_DIR = Path(__file__).parent / "starter"
 RANDOM_VERSION = "random-0"
 
 
-def resolve_admin_token(settings: Settings) -> str:
-    """Bearer token of the admin endpoints: env var, then file, else generated under $ADAFLASH_HOME."""
-    cfg = settings.dataplane
-    token = os.environ.get(cfg.admin_token_env, "").strip()
-    if token:
-        return token
-    path = Path(cfg.admin_token_file) if cfg.admin_token_file else settings.home / "dataplane-admin-token"
-    if path.is_file():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return token
-
-
 class Node:
     def __init__(self, settings: Settings, target: TargetModel | None = None, tokenizer: Tokenizer | None = None,
                  target_dir: Path | None = None):

@@ -149,9 +149,11 @@ class Learner:
 
     # --- Kafka ------------------------------------------------------------------------------------
     def connect(self) -> None:
-        from learner.consumer import FeedbackConsumer, ensure_topics
+        from adaflash.contracts.topics import default_retention_ms, ensure_topics
+        from learner.consumer import FeedbackConsumer
 
-        ensure_topics(self.settings.kafka)
+        kc = self.settings.kafka
+        ensure_topics(kc.bootstrap, kc, default_retention_ms(self.settings.governance), update_existing=False)
         self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked)
 
     def _revoked(self, partitions: set[int]) -> None:

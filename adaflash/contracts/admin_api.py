@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
-ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+from adaflash.contracts.tenancy import TENANT_ID_PATTERN
+
+ID_PATTERN = TENANT_ID_PATTERN  # tenant ids, and component names that follow the same rule
 VERSION_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 NODE_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 
