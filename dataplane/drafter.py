@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dataplane.kernels.cpu_linear import PackedLinear, pack_linears
 from dataplane.kv_cache import SeqKV
 from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary
 from dataplane.model import ModelArgs, TargetModel, default_hidden_layers
@@ -149,6 +150,16 @@ class Drafter(nn.Module):
     def _refresh_head(self) -> None:
         w = self._shared["lm_head"]
         self._shared["out_weight"] = w[self.vocab_map] if self.vocab_map.numel() else w
+        self._shared.pop("out_packed", None)
+
+    def prepare_serving(self) -> Drafter:
+        """Frozen for serving: bfloat16 products laid out once for oneDNN (see kernels.cpu_linear)."""
+        pack_linears(self)
+        if self._shared:
+            out = PackedLinear(self._shared["out_weight"].detach())
+            if out.packed is not None:
+                self._shared["out_packed"] = out
+        return self
 
     def set_vocab_map(self, token_ids: torch.Tensor) -> None:
         """Restrict drafting to ``token_ids`` [Vd] (e.g. the most frequent tokens)."""
@@ -184,6 +195,9 @@ class Drafter(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden h [..., H] -> draft logits [..., Vd] (Vd = V or the reduced vocabulary)."""
+        packed = self._shared.get("out_packed")
+        if packed is not None:
+            return packed(self.norm(h))
         return F.linear(self.norm(h), self._shared["out_weight"])
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
@@ -304,4 +318,4 @@ def new_drafter(target: TargetModel, seed: int = 0, **kwargs) -> Drafter:
                     nn.init.zeros_(m.bias)
     d.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
     d.rotary.inv_freq = d.rotary.inv_freq.float()
-    return d.bind(target)
+    return d.bind(target)  # trainable: not packed for serving (Drafter.prepare_serving)

@@ -129,4 +129,5 @@ def load_bundle(directory: str | Path, target: TargetModel, target_identity: dic
     except ValueError as e:
         raise DrafterLoadError(str(e)) from e
     drafter.eval().requires_grad_(False)
+    drafter.prepare_serving()  # bfloat16 only; a float32 drafter (the learner's) trains as it is
     return drafter, manifest

@@ -59,9 +59,28 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N]."""
-        if self.packed is None:
+        """x [..., K] -> [..., N]."""
+        if self.packed is None or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+
+def pack_linears(module: torch.nn.Module) -> int:
+    """Serve every bfloat16 CPU ``nn.Linear`` of a frozen ``module`` through ``PackedLinear``.
+
+    For inference only: the packed copy does not follow later changes of the weights. Layers
+    in other precisions are left alone. Returns how many layers were packed.
+    """
+    n = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+            lin = PackedLinear(m.weight.detach(), None if m.bias is None else m.bias.detach())
+            if lin.packed is not None:
+                m.forward = lin  # instance attribute: nn.Module.__call__ finds it first
+                n += 1
+    return n

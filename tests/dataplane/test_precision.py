@@ -15,7 +15,7 @@ import torch
 
 from dataplane import precision
 from dataplane.drafter import new_drafter
-from dataplane.kernels.cpu_linear import PackedLinear, linear_torch
+from dataplane.kernels.cpu_linear import PackedLinear, linear_torch, mkldnn_packing_works
 from dataplane.model import TargetModel
 from tests.dataplane.engine_util import make_engine, prompts, run
 from tests.dataplane.oracle import OracleDrafter
@@ -151,3 +151,23 @@ def test_real_logits_match_transformers_at_each_precision(real_target_dir, real_
           f"{err[torch.bfloat16]:.3g}, transformers bfloat16 {hf_err:.3g}")
     assert err[torch.float32] < 5e-3
     assert err[torch.bfloat16] <= 1.5 * hf_err
+
+
+def test_bfloat16_drafter_loaded_for_serving_is_packed_and_lossless(tmp_path, bf16_target):
+    """A bundle loaded onto a bfloat16 target serves through prepacked products: its block
+    pass stays within bfloat16 rounding of the plain module, and speculation with it
+    equals ar exactly under batch-invariant numerics."""
+    from dataplane.drafter_io import load_bundle, save_bundle
+
+    ident = {"id": "tiny-llama", "sha256": "0" * 64}
+    plain = new_drafter(bf16_target, seed=3, num_layers=1, n_target_layers=2, block_size=8)
+    save_bundle(plain, tmp_path / "b", ident, version="1", lineage={"source": "test"})
+    served, _ = load_bundle(tmp_path / "b", bf16_target, ident)
+    if mkldnn_packing_works(torch.bfloat16):
+        assert isinstance(served.fc.forward, PackedLinear) and "out_packed" in served._shared
+    h = torch.randn(2, 8, served.config.hidden_size).to(torch.bfloat16)
+    torch.testing.assert_close(served.logits(h).float(), plain.logits(h).float(), **TOL[torch.bfloat16])
+    ps = prompts(4, 97, seed=11)
+    expected = [s.output_ids for s in run(make_engine(bf16_target, "ar", batch_invariant=True), ps)]
+    seqs = run(make_engine(bf16_target, "fixed", served, batch_invariant=True), ps)
+    assert [s.output_ids for s in seqs] == expected
