@@ -55,3 +55,35 @@ def packed_verify_cost(target, n_tokens: int = 64, context: int = 128, splits=(1
     best = _time_points(target, setups, context, repeats)
     return [{"requests": b, "tokens": (n_tokens // b) * b, "seconds": best[b],
              "ratio_to_one_sequence": best[b] / best[splits[0]]} for b in splits]
+
+
+def forward_paths(target_dir, native_bf16: bool, context: int = 128, repeats: int = 7) -> list[dict]:
+    """One request's decode (1 token) and verify (16 tokens) forward at C=1, per path.
+
+    The module-by-module float32 forward is the path nodes served before the precision was
+    chosen and the forward fused; the fused float32 path is what a CPU without native
+    bfloat16 serves now; the fused bfloat16 path is served where the CPU multiplies it
+    natively. Repeats go round the paths in turn; each keeps its fastest.
+    """
+    from dataplane.model import TargetModel
+
+    variants = [("float32", True), ("float32", False)] + ([("bfloat16", False)] if native_bf16 else [])
+    g = torch.Generator().manual_seed(0)
+    setups = {}
+    for dtype, reference in variants:
+        m = TargetModel.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+        m.reference = reference
+        for n in (1, 16):
+            setups[(dtype, reference, n)] = (m, *_setup(m, 1, n, context, g))
+    times: dict = {key: [] for key in setups}
+    for _ in range(repeats):
+        for key, (m, kvs, stream, cu) in setups.items():
+            kvs[0].truncate(context)
+            t0 = time.perf_counter()
+            m.forward_packed(stream, cu, kvs)
+            times[key].append(time.perf_counter() - t0)
+    base = min(times[("float32", True, 1)])
+    return [{"precision": dtype, "path": "module reference" if reference else "fused", "tokens": n,
+             "ms": round(1e3 * min(times[(dtype, reference, n)]), 3),
+             "speedup_vs_float32_reference_decode": round(base / min(times[(dtype, reference, n)]), 3)}
+            for dtype, reference, n in setups]

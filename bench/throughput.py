@@ -99,13 +99,19 @@ def _engine(node, dp, mode: str, drafter, version, settings, tok):
 def _drafter(node, drafter_dir: str | None):
     """``random``: a drafter of the starter's shape with random weights (one that never pays)."""
     from dataplane.drafter import new_drafter
+    from dataplane.node import STARTER_DIR
 
     if drafter_dir != "random":
         return node.engine.drafter, node.engine.drafter_version
-    c = node.engine.drafter.config if node.engine.drafter is not None else None
-    kw = {} if c is None else {"num_layers": c.num_layers, "block_size": c.block_size,
-                               "n_target_layers": len(c.target_layers)}
-    return new_drafter(node.target, seed=0, **kw), "random"
+    kw = {"block_size": node.settings.dataplane.block_size}
+    try:
+        c = json.loads((STARTER_DIR / "config.json").read_text())
+        if c.get("hidden_size") == node.target.args.hidden_size:
+            kw = {"num_layers": c["num_layers"], "block_size": c["block_size"],
+                  "n_target_layers": len(c["target_layers"])}
+    except (OSError, ValueError, KeyError):
+        pass
+    return new_drafter(node.target, seed=0, **kw).prepare_serving(), "random"
 
 
 def _aggregate(rows: list[dict], concurrency: list[int], modes: list[str]) -> None:
@@ -152,8 +158,9 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
         drafter_dir: str | None, out: Path, per_domain: int = 10, min_requests: int = 4,
         compare_transformers: bool = True, llama_gguf: str | None = None) -> dict:
     from bench.machine import bound_ms, describe, weight_bytes
-    from bench.step_cost import packed_verify_cost, verify_cost_curve
+    from bench.step_cost import forward_paths, packed_verify_cost, verify_cost_curve
     from dataplane.node import Node
+    from dataplane.precision import BF16_FLAGS
     from dataplane.runner import serving_precision
 
     out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +169,10 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
                                                (drafter_dir or settings.dataplane.drafter)})
     settings.dataplane = dp
     machine = describe(serving_precision(settings))
+    if drafter_dir == "random":  # the node loads no bundle; the bench builds the drafter
+        settings.dataplane = dp.model_copy(update={"mode": "ar"})
     node = Node(settings)
+    settings.dataplane = dp
     tok = node.tokenizer
     drafter, version = _drafter(node, drafter_dir)
     by_domain: dict[str, list[list[int]]] = {}
@@ -181,7 +191,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
         rows.append({"mode": mode, "concurrency": c, "domain": domain, **r})
     _aggregate(rows, concurrency, modes)
     target_b = weight_bytes(node.target)
-    draft_b = weight_bytes(drafter) - target_b if drafter is not None else 0  # shares embed/lm_head
+    draft_b = weight_bytes(drafter) if drafter is not None else 0  # its own; embed/lm_head are the target's
     bw = machine["read_bandwidth_gbs"]
     for r in rows:
         b = bound_ms(target_b + (max(draft_b, 0) if r["mode"] != "ar" else 0), bw)
@@ -192,7 +202,8 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
               "weights_mb": {"target": round(target_b / 1e6, 1), "drafter_own": round(max(draft_b, 0) / 1e6, 1)},
               "rows": rows, "greedy_outputs_identical_to_ar": lossless,
               "verify_cost": verify_cost_curve(node.target), "packed_verify": packed_verify_cost(node.target),
-              "cost_model": node.engine.cost.snapshot()}
+              "cost_model": node.engine.cost.snapshot(),
+              "forward_paths": forward_paths(node.target_dir, any(f in machine["cpu_flags"] for f in BF16_FLAGS))}
     if compare_transformers and "ar" in modes:
         result["baselines"] = _baselines(node, dp, settings, tok, by_domain, max_tokens, llama_gguf)
     (out / "result.json").write_text(json.dumps(result, indent=2))

@@ -1,0 +1,38 @@
+"""``adaflash bench throughput`` end to end on a tiny model: the figures it must report exist."""
+
+from __future__ import annotations
+
+import json
+
+from adaflash.config import load_config
+from tests.tiny_models import save_tiny
+
+
+def test_bench_throughput_reports_machine_bound_and_verify_curve(tmp_path, real_target_dir):
+    from bench.throughput import run
+
+    d = save_tiny(tmp_path / "tiny", vocab=49152, hidden=32, layers=2, heads=2, kv_heads=1)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_target_dir / f).exists():
+            (d / f).write_bytes((real_target_dir / f).read_bytes())
+    (d / "target.json").write_text(json.dumps({"id": "tiny", "sha256": "0" * 64}))
+    settings = load_config(home=tmp_path / "home")
+    settings.model.path = str(d)
+    settings.model.max_model_len = 512
+    settings.dataplane.max_prompt_tokens = 64
+    result = run(settings, None, ["ar", "adaptive"], [1, 2], 4, "random", tmp_path / "out", per_domain=1,
+                 min_requests=2, compare_transformers=True)
+    m = result["machine"]
+    assert m["read_bandwidth_gbs"] > 0 and m["served_precision"] in ("float32", "bfloat16")
+    assert isinstance(m["cpu_flags"], list) and m["torch_threads"] >= 1
+    rows = [r for r in result["rows"] if r["domain"] == "all"]
+    assert {(r["mode"], r["concurrency"]) for r in rows} == {("ar", 1), ("ar", 2), ("adaptive", 1), ("adaptive", 2)}
+    assert all(r["bound_ms"] > 0 and r["step_ms_p50"] > 0 and r["step_over_bound"] > 0 for r in rows)
+    curve = {(v["concurrency"], v["tokens_per_request"]) for v in result["verify_cost"]}
+    assert curve == {(c, n) for c in (1, 16) for n in (1, 2, 4, 8, 16)}
+    assert result["drafter_version"] == "random" and result["weights_mb"]["drafter_own"] > 0
+    b = result["baselines"]
+    assert b["precision"] == m["served_precision"] and b["transformers_tps"] > 0 and b["ar_vs_transformers"] > 0
+    paths = {(p["precision"], p["path"], p["tokens"]) for p in result["forward_paths"]}
+    assert ("float32", "module reference", 1) in paths and ("float32", "fused", 16) in paths
+    assert (tmp_path / "out" / "result.json").is_file() and (tmp_path / "out" / "plot.png").stat().st_size > 0
