@@ -21,12 +21,13 @@ import torch
 from adaflash.config import DataplaneConfig
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
+from dataplane.grammar import GrammarState
 from dataplane.metrics import NodeMetrics
 from dataplane.model import TargetModel
+from dataplane.sampling import first_token, token_logprobs
 from dataplane.scheduler import Scheduler
 from dataplane.sequence import Sequence, Status
 from dataplane.spec_step import SpecStep
-from dataplane.verify import process_logits
 
 log = logging.getLogger("adaflash.engine")
 
@@ -196,6 +197,9 @@ class Engine:
                 s.generator = torch.Generator()
                 s.generator.manual_seed(s.params.seed if s.params.seed is not None
                                         else int(torch.randint(0, 2**62, (1,))))
+            if s.params.grammar is not None and s.grammar_state is None:
+                s.grammar_state = GrammarState(s.params.grammar, self.target.args.vocab_size,
+                                               self.cfg.block_size + 1, self.eos)
             ids.extend(s.prompt_ids)
             cu.append(len(ids))
         layers = self._hidden_layers()
@@ -205,12 +209,8 @@ class Engine:
         if layers:
             self.drafter.extend_context(out.hidden, cu, [s.drafter_kv for s in seqs])
         for i, s in enumerate(seqs):
-            if s.greedy:
-                tok = int(out.logits[i].argmax())
-            else:
-                p = process_logits(out.logits[i], s.params.temperature, s.params.top_p)
-                tok = int(torch.multinomial(p, 1, generator=s.generator))
-            self._commit(s, [tok])
+            tok = first_token(s, out.logits[i])
+            self._commit(s, [tok], self._logprobs(s, out.logits[i : i + 1], [tok]))
         self.scheduler.start_running(seqs)
 
     # --- decode --------------------------------------------------------------------------------
@@ -241,14 +241,22 @@ class Engine:
                 ext_rows.append(hidden[cu[b] : cu[b] + a + 1])
                 ext_cu.append(ext_cu[-1] + a + 1)
                 ext_kvs.append(s.drafter_kv)
-            n = self._commit(s, result.committed[b])
+            rows = result.logits[cu[b] : cu[b] + len(result.committed[b])]
+            n = self._commit(s, result.committed[b], self._logprobs(s, rows, result.committed[b]))
             self.metrics.on_round(plan.k_hat[b], a, n)
         if ext_kvs:
             self.drafter.extend_context(torch.cat(ext_rows), ext_cu, ext_kvs)
         self.scheduler.record_step(len(plan.seqs))
 
     # --- commit and finish -----------------------------------------------------------------------
-    def _commit(self, s: Sequence, tokens: list[int]) -> int:
+    @staticmethod
+    def _logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> list | None:
+        """Target logprobs of tokens about to be committed (rows [m, V] raw logits), if asked."""
+        if s.params.logprobs is None:
+            return None
+        return token_logprobs(rows, tokens, s.params.logprobs)
+
+    def _commit(self, s: Sequence, tokens: list[int], logprobs: list | None = None) -> int:
         """Append tokens up to the first stop condition; returns how many were appended."""
         now = time.monotonic()
         added: list[int] = []
@@ -265,6 +273,10 @@ class Engine:
             if s.num_tokens >= self.max_model_len:
                 reason = "length"
                 break
+        if logprobs is not None:
+            s.logprobs.extend(logprobs[: len(added)])
+        if s.grammar_state is not None:
+            s.grammar_state.advance(added)
         if s.first_token_at is None:
             s.first_token_at = now
         s.token_times.extend([now] * len(added))
