@@ -4,10 +4,39 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TENANT_HEADER = "X-Tenant-ID"
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (constrained by a grammar)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object with a schema")
+        return self
 
 
 class _Common(BaseModel):
@@ -19,11 +48,31 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     stream: bool = False
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     user: str | None = None
     domain: str | None = Field(default=None, max_length=64)  # optional tag carried into feedback
     ignore_eos: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted only at 0: penalties would change the target distribution (refused with 400).
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("ignore_eos cannot be combined with a JSON response_format (the grammar ends it)")
+        return self
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this node; send 0 or leave it out")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -39,6 +88,15 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy: top alternatives
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported by this node")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -57,9 +115,28 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        """OpenAI's content-part form: a list of {"type": "text", "text": ...}."""
+        if isinstance(v, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in v):
+                raise ValueError("only text content parts are supported")
+            return "".join(p["text"] for p in v)
+        return v
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -84,6 +161,23 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     speculative: SpeculativeUsage
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``; ``drafter`` is ours (version, mode, manifest digest)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "adaflash"
+    root: str | None = None
+    max_model_len: int | None = None
+    drafter: dict | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class DrafterLoadRequest(BaseModel):
