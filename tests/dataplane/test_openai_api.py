@@ -137,7 +137,7 @@ def test_seed_reproducible_across_modes_and_traffic(servers):
         client = servers[mode][2]
         stop = threading.Event()
 
-        def traffic(client=client):  # unrelated sampled and greedy requests around ours
+        def traffic(client=client, stop=stop):  # unrelated sampled and greedy requests around ours
             while not stop.is_set():
                 _chat(client, temperature=1.0, max_tokens=8, n=2)
                 _chat(client, temperature=0, max_tokens=8)
