@@ -1,7 +1,7 @@
 """Per-request token choice and target log-probabilities, shared by prefill and verification.
 
 Three ways a request's tokens are chosen, each applied to the target's logits after the
-request's grammar mask (``dataplane.grammar``):
+request's presence/frequency penalties and grammar mask (``dataplane.grammar``):
 
 - greedy (temperature 0): argmax.
 - seeded sampling (temperature > 0 and a ``seed``): position-keyed Gumbel-max. The token
@@ -16,7 +16,7 @@ request's grammar mask (``dataplane.grammar``):
   generator; lossless, and accepts more drafts, but the draws depend on drafting.
 
 Log-probabilities are always those of the raw target distribution (temperature 1, before
-the grammar mask), as vLLM and SGLang report by default, and are computed one row at a
+penalties and the grammar mask), as vLLM and SGLang report by default, and are computed one row at a
 time so that a token's numbers do not depend on how many rows the step had.
 """
 
@@ -98,9 +98,31 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     return out
 
 
+def penalised(seq, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties along a draft.
+
+    Row j follows the committed output plus drafts[:j], so its counts include those drafts:
+    where every earlier draft is accepted they are exactly the tokens ``ar`` would have
+    emitted, which keeps speculation lossless against the penalised distribution.
+
+    Args:
+        rows: [m, V] logits; drafts: the m - 1 draft tokens.
+    Returns:
+        [m, V] float32 copy: logit - frequency * count - presence * (count > 0).
+    """
+    p = seq.params
+    counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=rows.shape[-1]).float()
+    out = rows.float().clone()
+    for j in range(rows.shape[0]):
+        if j > 0:
+            counts[drafts[j - 1]] += 1.0
+        out[j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
+
+
 def constrained_rows(seq, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-    """The rows a request is verified on: grammar-masked, then for a seeded request its
-    perturbed scores (verified by argmax like greedy).
+    """The rows a request is verified on: penalised, grammar-masked, then for a seeded
+    request its perturbed scores (verified by argmax like greedy).
 
     Args:
         seq: the request (``dataplane.sequence.Sequence``); its next output position is
@@ -110,6 +132,8 @@ def constrained_rows(seq, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor
     Returns:
         [m, V] float32 (``rows`` itself when nothing applies).
     """
+    if seq.params.presence_penalty or seq.params.frequency_penalty:
+        rows = penalised(seq, rows, drafts)
     if seq.grammar_state is not None:
         rows = seq.grammar_state.masked(rows, drafts)
     if seq.seeded:

@@ -21,6 +21,8 @@ class SamplingParams:
     seed: int | None = None  # with temperature > 0: position-keyed draws (dataplane.sampling)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each token's logprob and its k top alternatives
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already emitted
+    frequency_penalty: float = 0.0  # ... times the number of times it was emitted
     grammar: object | None = None  # xgrammar CompiledGrammar of the response_format (dataplane.grammar)
 
 
@@ -82,6 +84,12 @@ class Sequence:
     @property
     def greedy(self) -> bool:
         return self.params.temperature <= 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """Verified on its own rows: a grammar or a penalty changes its target distribution."""
+        p = self.params
+        return self.grammar_state is not None or bool(p.presence_penalty or p.frequency_penalty)
 
     @property
     def seeded(self) -> bool:

@@ -200,10 +200,10 @@ class SpecStep:
 
     def _verify(self, seqs, plan, logits, token_ids, cu) -> tuple[list[int], list[int]]:
         """Plain greedy requests are verified together on the raw logits; a request with a
-        grammar or a seed on its own rows (``constrained_rows``), by argmax when greedy or
-        seeded, else by rejection sampling against its (masked) distribution."""
+        grammar, penalties or a seed on its own rows (``constrained_rows``), by argmax when
+        greedy or seeded, else by rejection sampling against its (changed) distribution."""
         B = len(seqs)
-        plain = [i for i, s in enumerate(seqs) if s.greedy and s.grammar_state is None]
+        plain = [i for i, s in enumerate(seqs) if s.greedy and not s.constrained]
         accepted, bonus = [0] * B, [0] * B
         if len(plain) == B:
             res = verify(logits, token_ids, cu, torch.zeros(B))
@@ -213,7 +213,7 @@ class SpecStep:
             for i in plain:
                 accepted[i], bonus[i] = int(res.accepted[i]), int(res.bonus[i])
         for i, s in enumerate(seqs):
-            if s.greedy and s.grammar_state is None:
+            if s.greedy and not s.constrained:
                 continue
             a, e = int(cu[i]), int(cu[i + 1])
             rows = constrained_rows(s, logits[a:e], token_ids[a + 1 : e].tolist())

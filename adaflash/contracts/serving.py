@@ -54,7 +54,7 @@ class _Common(BaseModel):
     domain: str | None = Field(default=None, max_length=64)  # optional tag carried into feedback
     ignore_eos: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at 0: penalties would change the target distribution (refused with 400).
+    # OpenAI's penalties on tokens already emitted (verification runs on the penalised logits).
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     response_format: ResponseFormat | None = None
@@ -66,13 +66,6 @@ class _Common(BaseModel):
         if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("ignore_eos cannot be combined with a JSON response_format (the grammar ends it)")
         return self
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by this node; send 0 or leave it out")
-        return v
 
     @field_validator("stop")
     @classmethod

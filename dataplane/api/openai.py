@@ -99,6 +99,7 @@ async def _serve(request: Request, node: Node, req, prompt_text: str, tenant: st
     room = node.settings.model.max_model_len - len(ids)
     params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=max(1, min(max_tokens, room)),
                             stop=req.stop or [], seed=req.seed, ignore_eos=req.ignore_eos, logprobs=top,
+                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                             grammar=await _grammar(request, req))
     gen = Generation(node, ids, prompt_text, tenant, params, req.n, req.domain, chat)
     gen.start()

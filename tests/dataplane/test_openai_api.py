@@ -154,6 +154,15 @@ def test_seed_reproducible_across_modes_and_traffic(servers):
         assert got == ref, mode
 
 
+def test_penalties_equal_across_modes(servers):
+    kw = {"temperature": 0, "max_tokens": 16, "presence_penalty": 0.7, "frequency_penalty": 1.2,
+          "extra_body": {"ignore_eos": True}}
+    texts = [_chat(servers[mode][2], **kw).choices[0].message.content for mode in MODES]
+    assert texts[1] == texts[0] and texts[2] == texts[0]
+    plain = _chat(servers["ar"][2], temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    assert plain.choices[0].message.content != texts[0]
+
+
 def test_streaming_with_usage_and_logprobs(servers):
     client = servers["adaptive"][2]
     kw = {"temperature": 0, "max_tokens": 14, "logprobs": True, "top_logprobs": 2, "n": 2,
@@ -192,8 +201,8 @@ def test_json_schema_valid_and_equal_across_modes(servers, temperature, seed):
 
 def test_bad_requests_get_openai_errors(servers):
     _node, srv, client = servers["adaptive"]
-    cases = [({"n": 100}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
-             ({"frequency_penalty": -1}, "frequency_penalty"), ({"top_logprobs": 3}, "top_logprobs"),
+    cases = [({"n": 100}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+             ({"frequency_penalty": -3}, "frequency_penalty"), ({"top_logprobs": 3}, "top_logprobs"),
              ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
              ({"stream_options": {"include_usage": True}}, "stream_options"),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},

@@ -1,11 +1,11 @@
-"""Logprobs, seeded sampling and grammar-constrained decoding are exact under speculation.
+"""Logprobs, seeded sampling, penalties and grammar-constrained decoding are exact under speculation.
 
 A tiny random target with the real vocabulary (49152) and tokenizer, in batch-invariant
 numerics, decoded by the engine in ar, fixed and adaptive. The drafter replays ar's own
 answer with injected errors, so rounds accept several drafts and reject some: every
 acceptance length and the bonus path are exercised. fixed/adaptive must equal ar exactly:
 tokens, logprobs and top-5 alternatives (greedy), the draws of a seeded request (with or
-without other traffic in the batch), and the grammar-constrained JSON.
+without other traffic in the batch), penalised decoding, and the grammar-constrained JSON.
 """
 
 from __future__ import annotations
@@ -157,6 +157,16 @@ def test_seeded_sampling_equal_across_modes_and_traffic(target):
     assert other_seed[0].output_ids != ar[0].output_ids
     greedy = _run(target, "ar", PROMPTS[:1], max_tokens=16, temperature=0.0, ignore_eos=True)
     assert greedy[0].output_ids != ar[0].output_ids  # it really samples
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.5, 11)])
+def test_penalties_change_the_distribution_and_stay_exact(target, temperature, seed):
+    base = {"max_tokens": 20, "temperature": temperature, "seed": seed, "ignore_eos": True, "logprobs": 1}
+    plain = _run(target, "ar", PROMPTS, **base)
+    penalised = _check_modes(target, PROMPTS, {**base, "presence_penalty": 0.8, "frequency_penalty": 1.5})
+    repeats = [len(s.output_ids) - len(set(s.output_ids)) for s in plain]
+    repeats_penalised = [len(s.output_ids) - len(set(s.output_ids)) for s in penalised]
+    assert sum(repeats_penalised) < sum(repeats)
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.8, 7)])
