@@ -234,6 +234,7 @@ class Engine:
         for b, s in enumerate(plan.seqs):
             a = result.accepted[b]
             s.target_kv.truncate(old_len[b] + a + 1)
+            a = self._accepted_before_eos(s, result.committed[b], a)
             s.draft_s += plan.draft_s / len(plan.seqs)
             s.verify_s += result.verify_s / len(plan.seqs)
             runner.record_round(s, plan.k_hat[b], a, plan.a_hat[b])
@@ -247,6 +248,13 @@ class Engine:
         if ext_kvs:
             self.drafter.extend_context(torch.cat(ext_rows), ext_cu, ext_kvs)
         self.scheduler.record_step(len(plan.seqs))
+
+    def _accepted_before_eos(self, s: Sequence, tokens: list[int], accepted: int) -> int:
+        """Drafts accepted up to the end of the sequence: drafts after an accepted EOS (a
+        finished grammar drafts nothing else) are never emitted, so they do not count."""
+        if s.params.ignore_eos:
+            return accepted
+        return next((min(accepted, i) for i, t in enumerate(tokens) if t in self.eos), accepted)
 
     # --- commit and finish -----------------------------------------------------------------------
     @staticmethod

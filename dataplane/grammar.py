@@ -88,6 +88,32 @@ class GrammarState:
         xgr.apply_token_bitmask_inplace(out, bitmask)
         return out
 
+    def draft(self, scores: torch.Tensor) -> list[int]:
+        """Drafts that follow the grammar.
+
+        Args:
+            scores: [n, V] the drafter's log-probabilities in the target vocabulary (plus the
+                request's position noise when it is seeded), row j for draft j.
+        Returns:
+            n tokens, each the best-scoring token the grammar allows after the ones before;
+            after the grammar ends (or nothing is allowed) the rest repeat the last one.
+        """
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        out: list[int] = []
+        accepted = 0
+        for j in range(scores.shape[0]):
+            if accepted < j:
+                out.append(out[-1])
+                continue
+            self._fill(bitmask, 0)
+            row = scores[j : j + 1].float().clone()
+            xgr.apply_token_bitmask_inplace(row, bitmask)
+            out.append(int(row[0].argmax()))
+            accepted += self._accept(out[-1])
+        if accepted:
+            self.matcher.rollback(accepted)
+        return out
+
     def _accept(self, token: int) -> bool:
         return not self.matcher.is_terminated() and self.matcher.accept_token(token)
 

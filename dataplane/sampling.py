@@ -68,6 +68,23 @@ def seeded_draft(q: torch.Tensor, seed: int, first_position: int) -> torch.Tenso
     return torch.stack(rows).argmax(-1)
 
 
+def grammar_drafts(seq, q: torch.Tensor) -> torch.Tensor:
+    """Drafts of a greedy or seeded request with a grammar: the drafter's choice among the
+    tokens the grammar allows (with the target's position noise when seeded), so structural
+    tokens the grammar forces are drafted right.
+
+    Args:
+        q: [n, V] processed draft probabilities in the target vocabulary.
+    Returns:
+        [n] int64 target token ids.
+    """
+    scores = torch.log(q.float())
+    if seq.seeded:
+        pos = len(seq.output_ids)
+        scores = scores + torch.stack([gumbel_noise(seq.params.seed, pos + j, q.shape[-1]) for j in range(q.shape[0])])
+    return torch.tensor(seq.grammar_state.draft(scores), dtype=torch.int64)
+
+
 @dataclass
 class TokenLogprob:
     """One emitted token: its log-probability under the target and the top alternatives."""

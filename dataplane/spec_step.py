@@ -23,7 +23,7 @@ from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter, k_hat_from
 from dataplane.kernels import greedy_accept, pack_drafts
 from dataplane.model import TargetModel
-from dataplane.sampling import constrained_rows, seeded_draft
+from dataplane.sampling import constrained_rows, grammar_drafts, seeded_draft
 from dataplane.sequence import Round, Sequence
 from dataplane.verify import process_logits, sample_draft_tokens, verify, verify_sampling
 
@@ -133,7 +133,11 @@ class SpecStep:
             k_hat[i], a_hat[i] = kj, float(ah[j])
             if kj <= 1:
                 continue
-            if s.greedy:
+            if s.grammar_state is not None and (s.greedy or s.seeded):  # drafts the grammar allows
+                temp, top_p = (s.params.temperature, s.params.top_p) if s.seeded else (1.0, 1.0)
+                q = drafter.expand_probs(process_logits(logits[j, : kj - 1], temp, top_p))
+                drafts[i, : kj - 1] = grammar_drafts(s, q)
+            elif s.greedy:
                 drafts[i, : kj - 1] = drafter.to_target_ids(logits[j, : kj - 1].argmax(-1))
             elif s.seeded:  # the target's position noise: drafts are verified by equality
                 q = drafter.expand_probs(process_logits(logits[j, : kj - 1], s.params.temperature, s.params.top_p))

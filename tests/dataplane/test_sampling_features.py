@@ -108,6 +108,8 @@ def _check_modes(target, prompts, params, extra=()):
         got = _run(target, mode, prompts, drafter, extra=extra, **params)
         for a, b in zip(ar, got, strict=True):
             assert b.output_ids == a.output_ids, mode
+            # every round's accepted drafts were emitted (none counted past the end)
+            assert len(b.output_ids) == 1 + sum(r.accepted + 1 for r in b.rounds)
             assert [(x.token, x.logprob, x.top) for x in b.logprobs] == [(x.token, x.logprob, x.top) for x in a.logprobs]
         assert sum(r.accepted for s in got for r in s.rounds) > 0  # drafts were really accepted
     return ar
