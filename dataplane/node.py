@@ -16,8 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, Round, Sampling, Stats, TargetRef
 from adaflash.contracts.manifest import Manifest, sha256_file
@@ -25,6 +23,7 @@ from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import MANIFEST, DrafterLoadError, load_bundle, save_bundle
 from dataplane.engine import Engine
 from dataplane.model import TargetModel
+from dataplane.runner import apply_threads, load_target
 from dataplane.sequence import Sequence
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Detokenizer, Tokenizer
@@ -57,11 +56,10 @@ class Node:
                  target_dir: Path | None = None):
         self.settings = settings
         cfg = settings.dataplane
-        if settings.model.torch_threads:
-            torch.set_num_threads(settings.model.torch_threads)
+        apply_threads(settings)
         self.target_dir = target_dir or ensure_target(settings)
         self.identity = target_identity(self.target_dir)
-        self.target = target or TargetModel.from_pretrained(self.target_dir)
+        self.target = target or load_target(settings, self.target_dir)
         self.tokenizer = tokenizer or Tokenizer(self.target_dir)
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
         self.manifest: Manifest | None = None
