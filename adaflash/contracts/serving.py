@@ -39,8 +39,24 @@ class ResponseFormat(BaseModel):
         return self
 
 
+# OpenAI parameters this node does not implement: refused when set, never silently ignored.
+UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "function_call", "best_of", "suffix",
+               "audio", "modalities", "prediction", "web_search_options", "logits_processors")
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name in UNSUPPORTED:
+                value = data.get(name)
+                if value in (None, {}, []) or (name == "best_of" and value == 1):
+                    continue
+                raise ValueError(f"{name} is not supported by this node")
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -124,11 +140,16 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name of max_tokens
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
+            self.max_tokens = self.max_completion_tokens
         return self
 
     @field_validator("messages")

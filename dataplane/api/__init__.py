@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from dataplane.api import admin, errors, health, openai
+from dataplane.api import admin, deps, errors, health, openai
 from dataplane.grammar import GrammarCompiler
 from dataplane.node import Node
 from dataplane.tracing import TracingMiddleware
@@ -25,7 +25,21 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
     errors.install(app, on_reject=lambda code: node.engine.metrics.rejected.labels(reason=code).inc())
     for router in (openai.router, admin.router, health.router):
         app.include_router(router)
+    _document_bodies(app)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the nested models of hand-parsed request bodies to the OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(deps.BODY_SCHEMAS)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 __all__ = ["create_app"]

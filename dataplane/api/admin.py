@@ -20,7 +20,7 @@ async def get_drafter(node: Node = Depends(deps.node)):
     return node.drafter_info()
 
 
-@router.post("/drafter")
+@router.post("/drafter", openapi_extra=deps.openapi_body(DrafterLoadRequest))
 async def post_drafter(req: DrafterLoadRequest = Depends(deps.body_of(DrafterLoadRequest)),
                        node: Node = Depends(deps.node)):
     """Fetch, check and swap a drafter; a refused one leaves the old one serving (409)."""

@@ -69,3 +69,13 @@ def body_of(model: type[BaseModel]) -> Callable:
             raise from_validation(e) from e
 
     return parse
+
+
+BODY_SCHEMAS: dict[str, dict] = {}  # nested models of hand-parsed bodies, for components/schemas
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` documenting a body that ``body_of`` parses by hand."""
+    schema = model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+    BODY_SCHEMAS.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

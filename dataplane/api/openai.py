@@ -55,13 +55,13 @@ def _unknown_model(node: Node, name: str, param: str | None = "model") -> ApiErr
                     param=param, code="model_not_found", type_="not_found_error")
 
 
-@router.post("/completions")
+@router.post("/completions", openapi_extra=deps.openapi_body(CompletionRequest))
 async def completions(request: Request, req: CompletionRequest = Depends(deps.body_of(CompletionRequest)),
                       node: Node = Depends(deps.node), tenant: str = Depends(deps.tenant)):
     return await _serve(request, node, req, req.prompt, tenant, chat=False, top=req.logprobs)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", openapi_extra=deps.openapi_body(ChatCompletionRequest))
 async def chat_completions(request: Request,
                            req: ChatCompletionRequest = Depends(deps.body_of(ChatCompletionRequest)),
                            node: Node = Depends(deps.node), tenant: str = Depends(deps.tenant)):

@@ -205,6 +205,8 @@ def test_bad_requests_get_openai_errors(servers):
              ({"frequency_penalty": -3}, "frequency_penalty"), ({"top_logprobs": 3}, "top_logprobs"),
              ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
              ({"stream_options": {"include_usage": True}}, "stream_options"),
+             ({"logit_bias": {"5": 10}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+             ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
               "response_format")]
     for extra, param in cases:
@@ -217,6 +219,16 @@ def test_bad_requests_get_openai_errors(servers):
     r = httpx.post(f"{srv.url}/v1/completions", content=b'{"prompt": "' + b"x" * 2_000_000 + b'"}')
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert httpx.get(f"{srv.url}/v2/whatever").json()["error"]["code"] == "unknown_route"
+
+
+def test_max_completion_tokens_and_openapi(servers):
+    _node, srv, client = servers["ar"]
+    r = _chat(client, max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    spec = httpx.get(f"{srv.url}/openapi.json").json()
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "messages" in body["properties"] and "ChatMessage" in spec["components"]["schemas"]
+    assert "/v1/models" in spec["paths"] and "/admin/drafter" in spec["paths"]
 
 
 def test_overload_is_429(servers):
