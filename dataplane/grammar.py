@@ -85,7 +85,7 @@ class GrammarState:
         if accepted:
             self.matcher.rollback(accepted)
         out = logits.float().clone()
-        xgr.apply_token_bitmask_inplace(out, bitmask)
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device))
         return out
 
     def draft(self, scores: torch.Tensor) -> list[int]:
@@ -107,7 +107,7 @@ class GrammarState:
                 continue
             self._fill(bitmask, 0)
             row = scores[j : j + 1].float().clone()
-            xgr.apply_token_bitmask_inplace(row, bitmask)
+            xgr.apply_token_bitmask_inplace(row, bitmask.to(row.device))
             out.append(int(row[0].argmax()))
             accepted += self._accept(out[-1])
         if accepted:

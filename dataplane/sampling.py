@@ -57,14 +57,15 @@ def seeded_scores(logits: torch.Tensor, temperature: float, top_p: float, seed: 
         [V] float32 log p + G (-inf where p is 0).
     """
     p = process_logits(logits.unsqueeze(0), temperature, top_p)[0]
-    return torch.log(p) + gumbel_noise(seed, position, logits.shape[-1])
+    return torch.log(p) + gumbel_noise(seed, position, logits.shape[-1]).to(p.device)
 
 
 def seeded_draft(q: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
     """Drafts of a seeded request from processed draft probabilities q [n, V]: row j is the
     drafter's Gumbel-max draw at output position first_position + j, with the target's
     noise. Returns [n] int64 target token ids."""
-    rows = [torch.log(q[j].float()) + gumbel_noise(seed, first_position + j, q.shape[-1]) for j in range(q.shape[0])]
+    rows = [torch.log(q[j].float()) + gumbel_noise(seed, first_position + j, q.shape[-1]).to(q.device)
+            for j in range(q.shape[0])]
     return torch.stack(rows).argmax(-1)
 
 
@@ -81,7 +82,8 @@ def grammar_drafts(seq, q: torch.Tensor) -> torch.Tensor:
     scores = torch.log(q.float())
     if seq.seeded:
         pos = len(seq.output_ids)
-        scores = scores + torch.stack([gumbel_noise(seq.params.seed, pos + j, q.shape[-1]) for j in range(q.shape[0])])
+        noise = [gumbel_noise(seq.params.seed, pos + j, q.shape[-1]) for j in range(q.shape[0])]
+        scores = scores + torch.stack(noise).to(q.device)
     return torch.tensor(seq.grammar_state.draft(scores), dtype=torch.int64)
 
 
@@ -128,7 +130,8 @@ def penalised(seq, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         [m, V] float32 copy: logit - frequency * count - presence * (count > 0).
     """
     p = seq.params
-    counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=rows.shape[-1]).float()
+    ids = torch.tensor(seq.output_ids, dtype=torch.int64, device=rows.device)
+    counts = torch.bincount(ids, minlength=rows.shape[-1]).float()
     out = rows.float().clone()
     for j in range(rows.shape[0]):
         if j > 0:
