@@ -123,6 +123,22 @@ def test_completion_legacy_logprobs(servers):
     assert outs[1] == outs[0] and outs[2] == outs[0]
 
 
+def test_completion_stream_logprobs_match(servers):
+    client = servers["fixed"][2]
+    kw = {"model": "SmolLM2-135M-Instruct", "prompt": "The sea is", "max_tokens": 12, "temperature": 0,
+          "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kw).choices[0]
+    text, tokens, offsets = "", [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        c = chunk.choices[0]
+        text += c.text
+        if c.logprobs:
+            tokens += c.logprobs.tokens
+            offsets += c.logprobs.text_offset
+    assert text == full.text
+    assert tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
+
+
 def _seeded(client, seed=42):
     r = _chat(client, temperature=1.8, seed=seed, n=2, max_tokens=16, logprobs=True,
               extra_body={"ignore_eos": True})
