@@ -200,18 +200,28 @@ class Engine:
             if s.params.grammar is not None and s.grammar_state is None:
                 s.grammar_state = GrammarState(s.params.grammar, self.target.args.vocab_size,
                                                self.cfg.block_size + 1, self.eos)
+        # Sequences with the same prompt (the n choices of a request) share one prefill:
+        # the first computes it, the others copy its keys and values.
+        first_of: dict[tuple[int, ...], int] = {}
+        owner = [first_of.setdefault(tuple(s.prompt_ids), len(first_of)) for s in seqs]
+        unique = [next(s for s, o in zip(seqs, owner, strict=True) if o == u) for u in range(len(first_of))]
+        for s in unique:
             ids.extend(s.prompt_ids)
             cu.append(len(ids))
         layers = self._hidden_layers()
         last = torch.tensor(cu[1:], dtype=torch.int64) - 1
-        out = self.target.forward_packed(torch.tensor(ids, dtype=torch.int64), cu, [s.target_kv for s in seqs],
+        out = self.target.forward_packed(torch.tensor(ids, dtype=torch.int64), cu, [s.target_kv for s in unique],
                                          logits_index=last, hidden_layers=layers)
-        if layers:
-            for b, s in enumerate(seqs):
-                s.context_pending.append(out.hidden[cu[b] : cu[b + 1]])
-        for i, s in enumerate(seqs):
-            tok = first_token(s, out.logits[i])
-            self._commit(s, [tok], self._logprobs(s, out.logits[i : i + 1], [tok]))
+        for s, u in zip(seqs, owner, strict=True):
+            src = unique[u].target_kv
+            if s.target_kv is not src:
+                s.target_kv.reserve(src.length)
+                s.target_kv.data[:, :, :, : src.length] = src.data[:, :, :, : src.length]
+                s.target_kv.length = src.length
+            if layers:
+                s.context_pending.append(out.hidden[cu[u] : cu[u + 1]])
+            tok = first_token(s, out.logits[u])
+            self._commit(s, [tok], self._logprobs(s, out.logits[u : u + 1], [tok]))
         self.scheduler.start_running(seqs)
 
     # --- decode --------------------------------------------------------------------------------

@@ -198,3 +198,31 @@ def test_json_object_grammar_keeps_output_a_json_prefix(target, compiler, tiny_v
 def test_bad_schema_is_a_grammar_error(compiler):
     with pytest.raises(GrammarError, match="response_format"):
         compiler.compile("json_schema", {"type": "object", "properties": {"x": {"type": "nonsense"}}})
+
+
+def test_choices_of_one_prompt_share_its_prefill(target):
+    """n sequences with the same prompt are prefilled once and decode as if alone."""
+    seeds = [3, 4, 5]
+    engine = make_engine(target, "ar", batch_invariant=True)
+    seqs = [Sequence(request_id=f"c{sd}", prompt_ids=list(PROMPTS[1]),
+                     params=SamplingParams(max_tokens=8, temperature=1.5, seed=sd, ignore_eos=True)) for sd in seeds]
+    seqs.append(Sequence(request_id="other", prompt_ids=list(PROMPTS[2]), params=SamplingParams(max_tokens=8)))
+    calls = []
+    forward = target.forward_packed
+
+    def counting(input_ids, *args, **kw):
+        calls.append(int(input_ids.numel()))
+        return forward(input_ids, *args, **kw)
+
+    target.forward_packed = counting
+    try:
+        for s in seqs:
+            engine.add(s)
+        engine.run_until_idle()
+    finally:
+        del target.forward_packed
+    assert calls[0] == len(PROMPTS[1]) + len(PROMPTS[2])  # one prefill per distinct prompt
+    for sd, s in zip(seeds, seqs, strict=False):
+        alone = _run(target, "ar", [PROMPTS[1]], max_tokens=8, temperature=1.5, seed=sd, ignore_eos=True)[0]
+        assert s.output_ids == alone.output_ids
+    assert len({tuple(s.output_ids) for s in seqs[:3]}) == 3
