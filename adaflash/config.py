@@ -57,6 +57,8 @@ class DataplaneConfig(BaseModel):
     max_prefill_tokens: int = 2048
     max_prompt_tokens: int = 1536
     max_new_tokens_limit: int = 1024
+    max_request_bytes: int = 1_048_576  # larger request bodies get HTTP 413
+    max_waiting: int = 4096  # requests (choices) queued before new ones get HTTP 429
     # Admin endpoints: bearer token read from this env var or file (never from the repo).
     admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     admin_token_file: str = ""

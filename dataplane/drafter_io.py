@@ -82,6 +82,8 @@ def load_bundle(directory: str | Path, target: TargetModel, target_identity: dic
     d = Path(directory)
     if not d.is_dir():
         raise DrafterLoadError(f"drafter directory {d} does not exist")
+    if not (d / MANIFEST).is_file():
+        raise DrafterLoadError(f"{d} is not a drafter bundle: it has no {MANIFEST}")
     if expected_sha256 and sha256_file(d / MANIFEST) != expected_sha256:
         raise DrafterLoadError("manifest sha256 does not match the requested sha256")
     manifest = read_manifest(d)

@@ -21,12 +21,13 @@ import torch
 from adaflash.config import DataplaneConfig
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
+from dataplane.grammar import GrammarState
 from dataplane.metrics import NodeMetrics
 from dataplane.model import TargetModel
+from dataplane.sampling import first_token, token_logprobs
 from dataplane.scheduler import Scheduler
 from dataplane.sequence import Sequence, Status
 from dataplane.spec_step import SpecStep
-from dataplane.verify import process_logits
 
 log = logging.getLogger("adaflash.engine")
 
@@ -196,22 +197,31 @@ class Engine:
                 s.generator = torch.Generator()
                 s.generator.manual_seed(s.params.seed if s.params.seed is not None
                                         else int(torch.randint(0, 2**62, (1,))))
+            if s.params.grammar is not None and s.grammar_state is None:
+                s.grammar_state = GrammarState(s.params.grammar, self.target.args.vocab_size,
+                                               self.cfg.block_size + 1, self.eos)
+        # Sequences with the same prompt (the n choices of a request) share one prefill:
+        # the first computes it, the others copy its keys and values.
+        first_of: dict[tuple[int, ...], int] = {}
+        owner = [first_of.setdefault(tuple(s.prompt_ids), len(first_of)) for s in seqs]
+        unique = [next(s for s, o in zip(seqs, owner, strict=True) if o == u) for u in range(len(first_of))]
+        for s in unique:
             ids.extend(s.prompt_ids)
             cu.append(len(ids))
         layers = self._hidden_layers()
         last = torch.tensor(cu[1:], dtype=torch.int64) - 1
-        out = self.target.forward_packed(torch.tensor(ids, dtype=torch.int64), cu, [s.target_kv for s in seqs],
+        out = self.target.forward_packed(torch.tensor(ids, dtype=torch.int64), cu, [s.target_kv for s in unique],
                                          logits_index=last, hidden_layers=layers)
-        if layers:
-            for b, s in enumerate(seqs):
-                s.context_pending.append(out.hidden[cu[b] : cu[b + 1]])
-        for i, s in enumerate(seqs):
-            if s.greedy:
-                tok = int(out.logits[i].argmax())
-            else:
-                p = process_logits(out.logits[i], s.params.temperature, s.params.top_p)
-                tok = int(torch.multinomial(p, 1, generator=s.generator))
-            self._commit(s, [tok])
+        for s, u in zip(seqs, owner, strict=True):
+            src = unique[u].target_kv
+            if s.target_kv is not src:
+                s.target_kv.reserve(src.length)
+                s.target_kv.data[:, :, :, : src.length] = src.data[:, :, :, : src.length]
+                s.target_kv.length = src.length
+            if layers:
+                s.context_pending.append(out.hidden[cu[u] : cu[u + 1]])
+            tok = first_token(s, out.logits[u])
+            self._commit(s, [tok], self._logprobs(s, out.logits[u : u + 1], [tok]))
         self.scheduler.start_running(seqs)
 
     # --- decode --------------------------------------------------------------------------------
@@ -234,17 +244,33 @@ class Engine:
         for b, s in enumerate(plan.seqs):
             a = result.accepted[b]
             s.target_kv.truncate(old_len[b] + a + 1)
+            a = self._accepted_before_eos(s, result.committed[b], a)
             s.draft_s += plan.draft_s / len(plan.seqs)
             s.verify_s += result.verify_s / len(plan.seqs)
             runner.record_round(s, plan.k_hat[b], a, plan.a_hat[b])
             if hidden is not None and s.drafter_kv is not None and s.drafter_version == self.drafter_version:
                 s.context_pending.append(hidden[cu[b] : cu[b] + a + 1])
-            n = self._commit(s, result.committed[b])
+            rows = result.logits[cu[b] : cu[b] + len(result.committed[b])]
+            n = self._commit(s, result.committed[b], self._logprobs(s, rows, result.committed[b]))
             self.metrics.on_round(plan.k_hat[b], a, n)
         self.scheduler.record_step(len(plan.seqs))
 
+    def _accepted_before_eos(self, s: Sequence, tokens: list[int], accepted: int) -> int:
+        """Drafts accepted up to the end of the sequence: drafts after an accepted EOS (a
+        finished grammar drafts nothing else) are never emitted, so they do not count."""
+        if s.params.ignore_eos:
+            return accepted
+        return next((min(accepted, i) for i, t in enumerate(tokens) if t in self.eos), accepted)
+
     # --- commit and finish -----------------------------------------------------------------------
-    def _commit(self, s: Sequence, tokens: list[int]) -> int:
+    @staticmethod
+    def _logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> list | None:
+        """Target logprobs of tokens about to be committed (rows [m, V] raw logits), if asked."""
+        if s.params.logprobs is None:
+            return None
+        return token_logprobs(rows, tokens, s.params.logprobs)
+
+    def _commit(self, s: Sequence, tokens: list[int], logprobs: list | None = None) -> int:
         """Append tokens up to the first stop condition; returns how many were appended."""
         now = time.monotonic()
         added: list[int] = []
@@ -261,6 +287,10 @@ class Engine:
             if s.num_tokens >= self.max_model_len:
                 reason = "length"
                 break
+        if logprobs is not None:
+            s.logprobs.extend(logprobs[: len(added)])
+        if s.grammar_state is not None:
+            s.grammar_state.advance(added)
         if s.first_token_at is None:
             s.first_token_at = now
         s.token_times.extend([now] * len(added))

@@ -102,10 +102,11 @@ class Node:
                 if manifest.block_size != self.settings.dataplane.block_size:
                     raise DrafterLoadError(f"block size {manifest.block_size} differs from the node's "
                                            f"{self.settings.dataplane.block_size}")
-            except DrafterLoadError as e:
-                self.last_load_error = str(e)
+            except (DrafterLoadError, OSError, ValueError) as e:  # a bad load is refused, never a crash
+                err = e if isinstance(e, DrafterLoadError) else DrafterLoadError(f"{type(e).__name__}: {e}")
+                self.last_load_error = str(err)
                 self.engine.metrics.swaps.labels(result="refused").inc()
-                raise
+                raise err from e
             pause = self.engine.swap_drafter(drafter, version).result(timeout=timeout)
             self._set_manifest(manifest, local)
             self.loaded_at = time.time()
@@ -119,6 +120,8 @@ class Node:
             return Path(uri[len("file://"):])
         if "://" not in uri and ":/" not in uri:
             return Path(uri)
+        if uri.startswith(("http://", "https://")):
+            _probe_http(uri)
         dest = self.settings.home / "drafters" / f"{version}-{secrets.token_hex(4)}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -131,6 +134,10 @@ class Node:
             got = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest))
         except Exception as e:  # any fetch failure is a refused load, never a crash
             shutil.rmtree(dest, ignore_errors=True)
+            if uri.startswith(("http://", "https://")):
+                raise DrafterLoadError(f"cannot fetch {uri}: the server answers but serves no MLflow artifact "
+                                       "directory there (use an mlflow-artifacts:/, models:/ or runs:/ URI, "
+                                       "or a path on this node)") from e
             raise DrafterLoadError(f"cannot fetch {uri}: {type(e).__name__}: {e}") from e
         return Path(got)
 
@@ -182,3 +189,13 @@ class Node:
         return {"node_id": self.node_id, "version": self.engine.drafter_version, "mode": self.engine.mode,
                 "tau": live["tau"], "tps": live["tps"], "error_rate": min(1.0, self.engine.error_count / done),
                 **self.engine.load}
+
+
+def _probe_http(uri: str, timeout: float = 5.0) -> None:
+    """Refuse an http(s) drafter URI whose server cannot be reached, naming why."""
+    import httpx
+
+    try:
+        httpx.head(uri, timeout=timeout, follow_redirects=True)
+    except httpx.HTTPError as e:
+        raise DrafterLoadError(f"cannot fetch {uri}: the server is unreachable ({type(e).__name__}: {e})") from e

@@ -18,8 +18,12 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 128
     stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = None  # with temperature > 0: position-keyed draws (dataplane.sampling)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and its k top alternatives
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already emitted
+    frequency_penalty: float = 0.0  # ... times the number of times it was emitted
+    grammar: object | None = None  # xgrammar CompiledGrammar of the response_format (dataplane.grammar)
 
 
 class Status(enum.Enum):
@@ -64,12 +68,13 @@ class Sequence:
     skip_rounds: int = 0  # break-even back-off: rounds left without drafting
     backoff: int = 1
     generator: torch.Generator | None = None
+    grammar_state: object | None = None  # dataplane.grammar.GrammarState, engine thread only
+    logprobs: list = field(default_factory=list)  # dataplane.sampling.TokenLogprob per output token
     arrival: float = field(default_factory=time.monotonic)
     prefill_at: float | None = None  # admitted: prefill started
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
-    detok: object | None = None  # Detokenizer, owned by the server side
     traceparent: str | None = None  # W3C traceparent of the request span (dataplane.tracing)
 
     @property
@@ -83,6 +88,17 @@ class Sequence:
     @property
     def greedy(self) -> bool:
         return self.params.temperature <= 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """Verified on its own rows: a grammar or a penalty changes its target distribution."""
+        p = self.params
+        return self.grammar_state is not None or bool(p.presence_penalty or p.frequency_penalty)
+
+    @property
+    def seeded(self) -> bool:
+        """Sampled with position-keyed noise: verified like greedy on perturbed scores."""
+        return not self.greedy and self.params.seed is not None
 
     def stats(self) -> dict:
         rounds = self.rounds

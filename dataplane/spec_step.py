@@ -21,8 +21,9 @@ import torch
 
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter, k_hat_from
-from dataplane.kernels import pack_drafts
+from dataplane.kernels import greedy_accept, pack_drafts
 from dataplane.model import TargetModel
+from dataplane.sampling import constrained_rows, grammar_drafts, seeded_draft
 from dataplane.sequence import Round, Sequence
 from dataplane.verify import process_logits, sample_draft_tokens, verify, verify_sampling
 
@@ -45,6 +46,7 @@ class StepResult:
     accepted: list[int]
     verify_tokens: int
     verify_s: float
+    logits: torch.Tensor | None = None  # [T, V] raw target logits of the verify stream
 
 
 class SpecStep:
@@ -145,8 +147,15 @@ class SpecStep:
             k_hat[i], a_hat[i] = kj, float(ah[j])
             if kj <= 1:
                 continue
-            if s.greedy:
+            if s.grammar_state is not None and (s.greedy or s.seeded):  # drafts the grammar allows
+                temp, top_p = (s.params.temperature, s.params.top_p) if s.seeded else (1.0, 1.0)
+                q = drafter.expand_probs(process_logits(logits[j, : kj - 1], temp, top_p))
+                drafts[i, : kj - 1] = grammar_drafts(s, q)
+            elif s.greedy:
                 drafts[i, : kj - 1] = drafter.to_target_ids(logits[j, : kj - 1].argmax(-1))
+            elif s.seeded:  # the target's position noise: drafts are verified by equality
+                q = drafter.expand_probs(process_logits(logits[j, : kj - 1], s.params.temperature, s.params.top_p))
+                drafts[i, : kj - 1] = seeded_draft(q, s.params.seed, len(s.output_ids))
             else:
                 q = process_logits(logits[j, : kj - 1], s.params.temperature, s.params.top_p)
                 tok = sample_draft_tokens(q, s.generator)
@@ -205,28 +214,37 @@ class SpecStep:
             s = cu_list[b]
             committed.append(tok[s + 1 : s + 1 + accepted[b]] + [bonus[b]])
         self._update_calibration(plan, accepted)
-        return StepResult(committed, accepted, int(token_ids.numel()), verify_s), out.hidden, cu_list
+        return StepResult(committed, accepted, int(token_ids.numel()), verify_s, out.logits), out.hidden, cu_list
 
     def _verify(self, seqs, plan, logits, token_ids, cu) -> tuple[list[int], list[int]]:
+        """Plain greedy requests are verified together on the raw logits; a request with a
+        grammar, penalties or a seed on its own rows (``constrained_rows``), by argmax when
+        greedy or seeded, else by rejection sampling against its (changed) distribution."""
         B = len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.greedy]
+        plain = [i for i, s in enumerate(seqs) if s.greedy and not s.constrained]
         accepted, bonus = [0] * B, [0] * B
-        if len(greedy) == B:
+        if len(plain) == B:
             res = verify(logits, token_ids, cu, torch.zeros(B))
             return res.accepted.tolist(), res.bonus.tolist()
-        if greedy:
+        if plain:
             res = verify(logits, token_ids, cu, torch.zeros(B))
-            for i in greedy:
+            for i in plain:
                 accepted[i], bonus[i] = int(res.accepted[i]), int(res.bonus[i])
         for i, s in enumerate(seqs):
-            if s.greedy:
+            if s.greedy and not s.constrained:
                 continue
             a, e = int(cu[i]), int(cu[i + 1])
+            rows = constrained_rows(s, logits[a:e], token_ids[a + 1 : e].tolist())
+            seg = torch.tensor([0, e - a])
+            if s.greedy or s.seeded:
+                acc, bon = greedy_accept(rows, token_ids[a:e], seg)
+                accepted[i], bonus[i] = int(acc[0]), int(bon[0])
+                continue
             q = plan.draft_probs[i]
             if q is None:
                 q = logits.new_zeros(e - a, logits.shape[-1])
-            r = verify_sampling(logits[a:e], q, token_ids[a:e], torch.tensor([0, e - a]),
-                                torch.tensor([s.params.temperature]), torch.tensor([s.params.top_p]), s.generator)
+            r = verify_sampling(rows, q, token_ids[a:e], seg, torch.tensor([s.params.temperature]),
+                                torch.tensor([s.params.top_p]), s.generator)
             accepted[i], bonus[i] = int(r.accepted[0]), int(r.bonus[0])
         return accepted, bonus
 

@@ -61,3 +61,29 @@ class Detokenizer:
         delta = text[self.emitted:safe]
         self.emitted = safe
         return delta
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: printable stand-in character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTES = _byte_decoder()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The UTF-8 bytes one token stands for (a token may hold part of a character)."""
+    piece = tokenizer.hf.convert_ids_to_tokens(int(token_id))
+    if piece is None:
+        return b""
+    if all(c in _BYTES for c in piece):
+        return bytes(_BYTES[c] for c in piece)
+    return piece.encode("utf-8")

@@ -39,9 +39,9 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def tiny_node(tmp_path_factory, real_target_dir):
-    """A node on the real tokenizer with a tiny target that shares its vocabulary."""
+@pytest.fixture(scope="session")
+def tiny_vocab_dir(tmp_path_factory, real_target_dir):
+    """A tiny random target with the real tokenizer's vocabulary and tokenizer files."""
     from tests.tiny_models import save_tiny
 
     d = save_tiny(tmp_path_factory.mktemp("tiny-vocab"), vocab=49152, hidden=32, layers=2, heads=2, kv_heads=1)
@@ -49,6 +49,13 @@ def tiny_node(tmp_path_factory, real_target_dir):
         src = real_target_dir / f
         if src.exists():
             (d / f).write_bytes(src.read_bytes())
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_node(tmp_path_factory, tiny_vocab_dir):
+    """A node on the real tokenizer with a tiny target that shares its vocabulary."""
+    d = tiny_vocab_dir
     home = tmp_path_factory.mktemp("home")
     settings = load_config(home=home)
     settings.model.path = str(d)

@@ -1,0 +1,123 @@
+"""One API request in flight: its n engine sequences and what has been sent of each.
+
+The request envelope (tenant, prompt text, trace, callbacks, detokenizers, what was sent)
+lives here; the engine's ``Sequence`` carries only what decoding needs. Tokens come back
+through each sequence's ``on_update`` callback (engine thread) into one asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from dataplane.node import Node
+from dataplane.sampling import CHOICE_STREAM, TokenLogprob, mix_seed
+from dataplane.sequence import SamplingParams, Sequence
+from dataplane.tokenizer import Detokenizer
+from dataplane.tracing import attach
+
+DISCONNECT_POLL_S = 1.0
+
+
+@dataclass
+class Choice:
+    index: int
+    seq: Sequence
+    detok: Detokenizer
+    sent_logprobs: int = 0  # logprob entries already handed out
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Delta:
+    """What one choice adds since the last delta."""
+
+    choice: Choice
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    ids_before: list[int] = field(default_factory=list)  # output tokens preceding ``logprobs``
+    finish_reason: str | None = None
+
+
+class Generation:
+    def __init__(self, node: Node, prompt_ids: list[int], prompt_text: str, tenant: str, params: SamplingParams,
+                 n: int, domain: str | None, chat: bool):
+        self.node = node
+        self.prompt_ids = prompt_ids
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: list[Choice] = []
+        loop = asyncio.get_running_loop()
+        for i in range(n):
+            seed = params.seed
+            if seed is not None and i > 0:  # choice 0 is what n=1 gives; the others their own streams
+                seed = mix_seed(seed, CHOICE_STREAM + i)
+            p = SamplingParams(**{**params.__dict__, "stop": list(params.stop or []), "seed": seed})
+            seq = Sequence(request_id=self.id if n == 1 else f"{self.id}-{i}", prompt_ids=list(prompt_ids),
+                           params=p, tenant_id=tenant, domain=domain, prompt_text=prompt_text)
+            seq.on_update = self._callback(loop, i)
+            self.choices.append(Choice(i, seq, node.new_detokenizer(p.stop)))
+
+    def _callback(self, loop: asyncio.AbstractEventLoop, index: int):
+        def on_update(_s: Sequence, _new: list[int], finished: bool) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, (index, finished))
+
+        return on_update
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.choices]
+
+    def start(self) -> None:
+        for c in self.choices:
+            attach(c.seq)
+            self.node.engine.add(c.seq)
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.seq.finished_at is None:
+                self.node.engine.cancel(c.seq.request_id)
+
+    def _delta(self, c: Choice, finished: bool) -> Delta:
+        seq = c.seq
+        text = c.detok.update(list(seq.output_ids), final=finished)
+        if c.detok.stopped and not finished:
+            seq.finish_reason = "stop"
+            self.node.engine.cancel(seq.request_id)
+        n = len(seq.logprobs)
+        d = Delta(c, text, seq.logprobs[c.sent_logprobs : n], seq.output_ids[: c.sent_logprobs])
+        c.sent_logprobs = n
+        if finished or c.detok.stopped:
+            c.finish_reason = "stop" if c.detok.stopped else seq.finish_reason
+            d.finish_reason = c.finish_reason
+        return d
+
+    async def deltas(self, request: Request | None = None) -> AsyncIterator[Delta]:
+        """Deltas of all choices in arrival order until every choice is done; a client that
+        went away (checked every second while idle) cancels the rest."""
+        while not all(c.done for c in self.choices):
+            try:
+                index, finished = await asyncio.wait_for(self.queue.get(), timeout=DISCONNECT_POLL_S)
+            except TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    self.cancel()
+                    return
+                continue
+            c = self.choices[index]
+            if c.done:
+                continue
+            yield self._delta(c, finished)
+
+    @property
+    def error(self) -> str | None:
+        return next((c.seq.error or "engine error" for c in self.choices if c.finish_reason == "error"), None)
