@@ -54,6 +54,14 @@ class DataplaneConfig(BaseModel):
     max_prefill_tokens: int = 2048
     max_prompt_tokens: int = 1536
     max_new_tokens_limit: int = 1024
+    # Tenant-fair admission (dataplane/admission.py): weighted fair queuing across tenants
+    # and per-tenant limits; a tenant policy's weight / max_queued / max_tokens win over
+    # these. Over a limit the node answers 429 with Retry-After. 0: no limit.
+    tenant_weight: float = 1.0
+    tenant_max_queued: int = 256  # requests of one tenant waiting for admission
+    tenant_max_tokens: int = 0  # prompt + max_tokens of one tenant's queued and running requests
+    tenant_retry_after_s: int = 1  # Retry-After when the node has no recent throughput to estimate from
+    tenant_retry_after_max_s: int = 60
     # Admin endpoints: bearer token read from this env var or file (never from the repo).
     admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     admin_token_file: str = ""

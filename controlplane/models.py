@@ -168,6 +168,9 @@ class Tenant(Base):
     opt_out: Mapped[bool] = mapped_column(Boolean)
     ttl_days: Mapped[float] = mapped_column(Float)
     share_cap: Mapped[float] = mapped_column(Float)
+    weight: Mapped[float | None] = mapped_column(Float)  # admission; NULL: the node's default
+    max_queued: Mapped[int | None] = mapped_column(Integer)
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 

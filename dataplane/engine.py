@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from adaflash.config import DataplaneConfig
+from dataplane.admission import TenantAdmission
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
 from dataplane.metrics import NodeMetrics
@@ -47,7 +48,9 @@ class Engine:
         self.metrics.set_drafter(self.drafter_version)
         self.cost = CostModel()
         self.step_runner = SpecStep(target, cfg.mode, cfg.block_size, cfg.gamma, self.cost, cfg.breakeven)
-        self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta)
+        self.admission = TenantAdmission(cfg, self.metrics.registry, tps=lambda: self.metrics.live()["tps"])
+        self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta,
+                                   weight_of=self.admission.weight)
         self.on_finish: Callable[[Sequence], None] | None = None  # feedback hook, called off the hot path
         self._inbox: queue.Queue = queue.Queue()
         self._cancel: set[str] = set()
@@ -64,6 +67,8 @@ class Engine:
 
     # --- called from any thread ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue a request; raises ``TenantOverQuota`` when its tenant is over its limits."""
+        self.admission.acquire(seq)
         self._inbox.put(seq)
         self._wake.set()
 
@@ -90,6 +95,7 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
+            self._stop.clear()  # a stopped engine can start again
             self._thread = threading.Thread(target=self._loop, name="adaflash-engine", daemon=True)
             self._thread.start()
 
@@ -99,6 +105,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.admission.close()
 
     # --- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -118,6 +125,8 @@ class Engine:
             return False
         try:
             admitted = self.scheduler.admit()
+            for s in admitted:
+                self.admission.on_admitted(s)
             if admitted:
                 self._prefill(admitted)
             running = [s for s in self.scheduler.running if s.status == Status.RUNNING]
@@ -288,6 +297,7 @@ class Engine:
         s.finish_reason = s.finish_reason if (reason == "cancelled" and s.finish_reason) else reason
         s.error = error
         s.finished_at = time.monotonic()
+        self.admission.release(s)
         self.finished_count += 1
         self.error_count += reason == "error"
         self.metrics.requests.labels(tenant=s.tenant_id, finish_reason=s.finish_reason).inc()

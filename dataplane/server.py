@@ -33,6 +33,7 @@ from adaflash.contracts.serving import (
     error_body,
 )
 from adaflash.contracts.tenancy import DEFAULT_TENANT
+from dataplane.admission import install_quota_errors
 from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
 from dataplane.sequence import SamplingParams, Sequence
@@ -64,6 +65,7 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
     cfg = node.settings.dataplane
     metrics = node.engine.metrics
     app.add_middleware(TracingMiddleware, node=node)
+    install_quota_errors(app, metrics)  # a tenant over its queue limit or token budget: 429 + Retry-After
 
     # --- errors -------------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
