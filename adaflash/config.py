@@ -162,6 +162,7 @@ class LearnerConfig(BaseModel):
     max_deferred: int = 128  # records held back by the share cap before fetching pauses
     session_timeout_ms: int = 6000  # consumer group session (fast joins on Tansu)
     poll_timeout_ms: int = 500
+    metadata_max_age_ms: int = 5000  # cluster metadata refresh (notices a broker that came back empty)
     supervise_chunk_tokens: int = 4096  # target tokens per packed supervision forward
     keep_checkpoints: int = 2
     seed: int = 0
