@@ -200,6 +200,11 @@ class ControlplaneConfig(BaseModel):
     feedback_jsonl: str = ""
     shadow_per_partition: int = 500  # records read back from each partition's tail
     shadow_max_records: int = 2000  # newest held-out records replayed
+    # The control plane's own copy of the window (controlplane/eval_window.py): held-out
+    # records it reads are kept in its database (TTL per tenant, deletions honoured), so a
+    # broker that restarts empty does not empty the window.
+    eval_window_persist: bool = True
+    eval_window_max_records: int = 10_000
     # Push desired versions to nodes' POST /admin/drafter (heartbeats converge anyway):
     # the nodes' admin bearer token from this env var (the Helm chart's adminToken secret),
     # else this file, else the dataplane's token file; none: no push.

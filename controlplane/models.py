@@ -32,6 +32,7 @@ from controlplane.states import (
 )
 
 VERSION_LEN = 64
+ID_LEN = 256  # record and target ids kept in the evaluation window copy
 
 
 def _in(column: str, enum) -> str:
@@ -258,3 +259,18 @@ class AuditHead(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     seq: Mapped[int] = mapped_column(Integer)
     hash: Mapped[str] = mapped_column(String(64))
+
+
+class EvalWindowRecord(Base):
+    """A held-out feedback record the control plane read for shadow evaluation (its own copy,
+    controlplane/eval_window.py); expires at created_at + its tenant's ttl_days."""
+
+    __tablename__ = "eval_window_records"
+
+    record_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(128), index=True)
+    target_id: Mapped[str] = mapped_column(String(ID_LEN))
+    created_at: Mapped[datetime] = mapped_column(index=True)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+    stored_at: Mapped[datetime] = mapped_column()
+    body: Mapped[str] = mapped_column(Text)  # the FeedbackRecord as JSON (scrubbed at the node)
