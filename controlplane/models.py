@@ -86,6 +86,9 @@ class Node(Base):
     live_tau: Mapped[float | None] = mapped_column(Float)
     live_tps: Mapped[float | None] = mapped_column(Float)
     error_rate: Mapped[float | None] = mapped_column(Float)
+    live_load: Mapped[float | None] = mapped_column(Float)  # requests in flight at the last heartbeat
+    # tau / TPS per load bucket while serving one version (controlplane/canary_judge.py)
+    load_profile: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(32), default="unknown")  # as the node reports it
     status_message: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
