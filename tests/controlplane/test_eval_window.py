@@ -14,7 +14,8 @@ from controlplane.shadow import KafkaFeedbackWindow, ShadowEvaluator
 from governance.broker import TansuBroker
 from tests.controlplane.shadow_util import evaluation_ids, record
 
-pytestmark = pytest.mark.services
+# on SQLite and on PostgreSQL (a copy of the session's migrated database per test)
+pytestmark = [pytest.mark.services, pytest.mark.parametrize("settings", ["sqlite", "postgresql"], indirect=True)]
 TOPIC = "fb-window"
 
 
@@ -33,7 +34,6 @@ def _rows(sessions) -> dict[str, str]:
         return {r.record_id: r.tenant_id for r in s.query(EvalWindowRecord)}
 
 
-@pytest.mark.parametrize("settings", ["sqlite", "postgresql"], indirect=True)
 def test_window_survives_broker_restart(tmp_path, settings, client, admin, sessions):
     settings.kafka.feedback_topic = TOPIC
     broker = TansuBroker(log_path=tmp_path / "tansu.log").start()

@@ -4,11 +4,17 @@ similar load; never against a fixed TPS. Simulated heartbeats, a fake clock, a r
 
 from __future__ import annotations
 
+import pytest
+
 from controlplane import fleet
 from controlplane.canary_judge import load_bucket
 from controlplane.db import session_scope
 from controlplane.rollout import RolloutReconciler, judge, live_metrics
 from tests.controlplane.test_rollout_steps import Clock, approve, policy, promotion
+
+# on SQLite and on PostgreSQL (a copy of the session's migrated database per test)
+pytestmark = pytest.mark.parametrize("settings", ["sqlite", pytest.param("postgresql", marks=pytest.mark.services)],
+                                     indirect=True)
 
 
 def beat(sessions, clock, node_id, served, *, tps, load, tau=2.0):
