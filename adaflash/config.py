@@ -244,6 +244,12 @@ class StackConfig(BaseModel):
     mlflow_port: int = 5000
     random_ports: bool = False
     node_id: str = "node-1"  # the embedded node's id (its control-plane key is bound to it)
+    nodes: int = Field(default=1, ge=1, le=16)  # serving nodes (node-1, node-2, ...)
+    learners: int = Field(default=1, ge=1, le=16)  # learners, one consumer group
+    # Control-plane database of the stack: "sqlite" under $ADAFLASH_HOME, or "postgres": a
+    # fresh database per run on this server (dropped by `adaflash down`).
+    database: Literal["sqlite", "postgres"] = "sqlite"
+    postgres_admin_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     # Gate policy of the embedded control plane when controlplane.policy_file is empty:
     # "demo" (adaflash/demo_policy.yaml: short windows, approval auto), "default" (the
     # control plane's packaged policy) or a file path.
