@@ -123,6 +123,7 @@ class Engine:
         self._apply_cancellations()
         if not self.scheduler.waiting and not self.scheduler.running:
             return False
+        admitted: list[Sequence] = []
         try:
             admitted = self.scheduler.admit()
             for s in admitted:
@@ -137,8 +138,8 @@ class Engine:
             log.exception("engine step failed")
             self.metrics.errors.inc()
             self.last_error = f"{type(e).__name__}: {e}"
-            for s in list(self.scheduler.running):
-                self._finish(s, "error", error=self.last_error)
+            for s in list(self.scheduler.running) + [a for a in admitted if a.status != Status.FINISHED]:
+                self._finish(s, "error", error=self.last_error)  # a failed prefill's requests too
             self.scheduler.remove_finished()
         self._retire()
         self.metrics.queue_depth.set(self.scheduler.depth)

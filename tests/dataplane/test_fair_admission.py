@@ -128,3 +128,18 @@ def test_http_429_with_retry_after_when_queue_limit_is_hit(tiny_node, server):
     assert 'adaflash_tenant_queue_depth{tenant="flood"} 0.0' in metrics
     ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Tenant-ID": "other"}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_failed_prefill_finishes_its_requests_and_frees_the_quota(tiny_target):
+    engine = make_engine(tiny_target, mode="ar")
+    seqs = [_seq(f"a{i}", "A") for i in range(3)]
+    for s in seqs:
+        engine.add(s)
+
+    def broken(_batch):
+        raise RuntimeError("prefill broke")
+
+    engine._prefill = broken
+    engine.step()
+    assert all(s.finish_reason == "error" for s in seqs)
+    assert engine.admission.snapshot() == {}
