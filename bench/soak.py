@@ -46,8 +46,26 @@ def start_stack(settings, nodes: int, learners: int, database: str, timeout_s: f
         raise
 
 
+def _corrupted(inj: Injector, settings, wait_s: float = 60.0) -> dict | None:
+    """The corrupted candidates' fate, waiting a while for the control plane to judge them."""
+    if not inj.corrupted:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            out = inj.corrupted_outcome()
+        except Exception as e:  # noqa: BLE001 - reported as not held
+            out = {v: {"state": f"unknown ({type(e).__name__})", "served_by": []} for v in inj.corrupted}
+        if all(o["state"] in REFUSED for o in out.values()) or time.monotonic() > deadline:
+            return out
+        time.sleep(2.0)
+
+
+REFUSED = ("rejected", "gate_failed")
+
+
 def invariants(events: list[dict], faults: list[dict], home: Path, slo_ttft_s: float, left: list[int],
-               learner_dirs: list[Path], final_states: dict) -> dict:
+               learner_dirs: list[Path], final_states: dict, corrupted: dict | None = None) -> dict:
     fair = [e for e in events if e["tenant"] != FLOOD_TENANT and e["kind"] != "malformed"]
     failed = [e for e in fair if e["status"] != 200]
     malformed = [e for e in events if e["kind"] == "malformed"]
@@ -84,7 +102,9 @@ def invariants(events: list[dict], faults: list[dict], home: Path, slo_ttft_s: f
         "no_record_trained_twice": {"held": dup == 0 and cross == 0, "ledgers": ledgers,
                                     "duplicates_within": dup, "shared_between_learners": cross},
         "no_process_left": {"held": not left, "left": left},
-    }
+    } | ({} if corrupted is None else {"corrupted_candidate_refused": {
+        "held": all(o["state"] in REFUSED and not o["served_by"] for o in corrupted.values()),
+        "versions": corrupted}})
 
 
 def _ledger(path: Path) -> list[str]:
@@ -152,6 +172,7 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
         inj.wait(timeout_s=120)
         final = {n: p.get("state") for n, p in stack.live_status(settings).get("processes", {}).items()
                  if p.get("state") not in ("missing", "external")}
+        corrupted = _corrupted(inj, settings)
         res = stack.down(settings)
     home = Path(ep["state_dir"])
     events, fault_rows = traffic.summary(), inj.records()
@@ -160,7 +181,7 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
                                                                           "learner_ids", "database_url")},
               "faults": fault_rows,
               "invariants": invariants(events, fault_rows, home, slo_ttft_s, res["leftover"],
-                                       [home / "learner", home / "learner-2"], final),
+                                       [home / "learner", home / "learner-2"], final, corrupted),
               "events": events}
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     plot(result, out / "timeline.png")

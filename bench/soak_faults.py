@@ -4,6 +4,8 @@
   the second node); the stack's supervisor restarts it (the broker comes back empty).
 - scrubber: the first node's PII scrubber child is stopped (SIGSTOP) for ``hang_s``,
   then continued: scrubbing times out, records are dropped and counted, serving goes on.
+- corrupt: a candidate drafter whose weights do not match its manifest is registered in
+  MLflow (as the learner registers one); it must be refused and never served.
 - rollback: an operator rollback of the champion (one admin API call), when there is a
   previous champion to go back to; recorded as skipped otherwise.
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-FAULTS = ("broker", "learner", "controlplane", "node", "scrubber", "rollback")
+FAULTS = ("corrupt", "broker", "learner", "controlplane", "node", "scrubber", "rollback")
 PART_OF = {"broker": "broker", "learner": "learner", "controlplane": "controlplane", "node": "dataplane-2"}
 
 
@@ -39,6 +41,7 @@ class Injector:
         self.settings, self.now, self.hang_s = settings, now, hang_s
         self.admin = admin_token
         self.faults: list[Fault] = []
+        self.corrupted: list[str] = []  # versions registered with corrupted weights
         self._threads: list[threading.Thread] = []
 
     def _state(self) -> dict:
@@ -55,6 +58,8 @@ class Injector:
                 self._hang_scrubber(f)
             elif name == "rollback":
                 self._rollback(f)
+            elif name == "corrupt":
+                self._corrupt_candidate(f)
             else:
                 f.detail = f"unknown fault {name!r}"
         except Exception as e:  # noqa: BLE001 - a fault that could not be injected is reported
@@ -120,6 +125,53 @@ class Injector:
         r = httpx.post(f"{api}/versions/{champ}/rollback", headers=hdr, json={"reason": "soak: operator rollback"},
                        timeout=30)
         f.ok, f.detail = r.status_code < 300, f"rollback of {champ}: HTTP {r.status_code}"
+
+    def _corrupt_candidate(self, f: Fault) -> None:
+        import hashlib
+        import shutil
+        import tempfile
+
+        from adaflash.contracts import DRAFTER_ARTIFACT_DIR
+        from adaflash.contracts.registry import TAG_MANIFEST_SHA256, TAG_STATE
+        from dataplane.node import STARTER_DIR
+        from dataplane.target_cache import ensure_target, target_identity
+        from learner.publish import STATE_CANDIDATE, Publisher
+
+        ep = self._state().get("endpoints", {})
+        pub = Publisher(ep["mlflow_tracking_uri"], target_identity(ensure_target(self.settings)))
+        exp = pub._experiment()
+        pub._registered_model()
+        with tempfile.TemporaryDirectory(prefix="soak-corrupt-") as tmp:
+            bundle = Path(tmp) / DRAFTER_ARTIFACT_DIR
+            shutil.copytree(STARTER_DIR, bundle)
+            weights = bundle / "model.safetensors"
+            data = bytearray(weights.read_bytes())
+            mid = len(data) // 2
+            data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])  # the manifest's digest no longer fits
+            weights.write_bytes(bytes(data))
+            digest = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
+            run = pub.client.create_run(exp, run_name="soak-corrupted", tags={"adaflash.kind": "candidate"})
+            pub.client.log_artifacts(run.info.run_id, str(bundle), artifact_path=DRAFTER_ARTIFACT_DIR)
+            pub.client.set_terminated(run.info.run_id)
+        mv = pub.client.create_model_version(pub.model_name, source=f"{run.info.artifact_uri}/{DRAFTER_ARTIFACT_DIR}",
+                                             run_id=run.info.run_id,
+                                             tags={TAG_STATE: STATE_CANDIDATE, TAG_MANIFEST_SHA256: digest})
+        self.corrupted.append(str(mv.version))
+        f.ok, f.detail = True, f"registered version {mv.version} with corrupted weights"
+
+    def corrupted_outcome(self) -> dict:
+        """Where each corrupted version ended up, and whether any node ever said it served it."""
+        ep = self._state().get("endpoints", {})
+        api, hdr = ep["controlplane_api"], {"Authorization": f"Bearer {self.admin}"}
+        out = {}
+        served = httpx.get(f"{api}/audit", params={"action": "node.served_version", "limit": 500}, headers=hdr,
+                           timeout=10).json()
+        for v in self.corrupted:
+            r = httpx.get(f"{api}/versions/{v}", headers=hdr, timeout=10)
+            state = r.json().get("state") if r.status_code == 200 else f"HTTP {r.status_code}"
+            ever = [e["target"] for e in served if (e.get("after") or {}).get("served_version") == v]
+            out[v] = {"state": state, "served_by": ever}
+        return out
 
     def wait(self, timeout_s: float = 120.0) -> None:
         for t in self._threads:

@@ -44,3 +44,13 @@ def test_each_invariant_can_fail(tmp_path):
                      [dirs[0], ledger(tmp_path / "learner-3", ["a"])], {"broker": "restarting"})
     assert not any(v["held"] for v in bad.values()), bad
     assert bad["no_record_trained_twice"]["shared_between_learners"] == 1
+
+
+def test_corrupted_candidate_must_be_refused_and_never_served(tmp_path):
+    events, faults, dirs = good_run(tmp_path)
+    ok = invariants(events, faults, tmp_path, 30.0, [], dirs, {"broker": "ready"},
+                    {"7": {"state": "rejected", "served_by": []}})
+    assert ok["corrupted_candidate_refused"]["held"]
+    for fate in ({"state": "evaluating", "served_by": []}, {"state": "rejected", "served_by": ["node:node-1"]}):
+        bad = invariants(events, faults, tmp_path, 30.0, [], dirs, {"broker": "ready"}, {"7": fate})
+        assert not bad["corrupted_candidate_refused"]["held"]
