@@ -10,6 +10,10 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	# a headless browser for the console's end-to-end tests (Debian's, never a downloaded one)
+	test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+	# promtool (Debian's prometheus package, its daemon unused) checks and unit-tests the chart's alert rules
+	test -x /usr/bin/promtool || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0

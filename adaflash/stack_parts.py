@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from adaflash.config import Settings
+from adaflash.credentials import LEARNER_TOKEN_FILE, NODE_TOKEN_FILE, read_file
 
 
 def instance_ids(first: str, n: int) -> list[str]:
@@ -38,7 +39,7 @@ def instance_ids(first: str, n: int) -> list[str]:
 
 def node_services(settings: Settings, config: str | None, host: str, first_port: int, cp_url: str,
                   admin_token: Path, taken: set[int], random_ports: bool) -> list[Any]:
-    from adaflash.stack import NODE_TOKEN_FILE, Service, _choose_port, _cli, ensure_node_key, http_ok
+    from adaflash.stack import Service, _choose_port, _cli, ensure_node_key, http_ok
 
     sc, home = settings.stack, Path(settings.home).resolve()
     out = []
@@ -59,8 +60,9 @@ def node_services(settings: Settings, config: str | None, host: str, first_port:
 
             def before(svc, node_id=node_id, token=token) -> None:
                 ensure_node_key(cp_url, admin_token, token, node_id)
-                # the reconciler reads the file; the feedback policy source reads the variable
-                svc.env[settings.dataplane.controlplane_token_env] = token.read_text().strip()
+                # the node reads the key from the file; the variable (which wins) is set too,
+                # so a stale one inherited from the shell cannot shadow the fresh key
+                svc.env[settings.dataplane.controlplane_token_env] = read_file(token) or ""
         name = "dataplane" if i == 0 else f"dataplane-{i + 1}"
         out.append(Service(name, _cli(config, "serve", "--host", host, "--port", str(port)), env,
                            lambda url=url: http_ok(f"{url}/readyz"), port, url, before_start=before,
@@ -69,7 +71,7 @@ def node_services(settings: Settings, config: str | None, host: str, first_port:
 
 
 def learner_services(settings: Settings, config: str | None, cp_url: str, admin_token: Path) -> list[Any]:
-    from adaflash.stack import LEARNER_TOKEN_FILE, Service, _cli, ensure_node_key, learner_override_env
+    from adaflash.stack import Service, _cli, ensure_node_key, learner_override_env
 
     home = Path(settings.home).resolve()
     out = []

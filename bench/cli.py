@@ -1,4 +1,4 @@
-"""``adaflash bench throughput | adaptation | feedback``: benchmarks that print JSON and draw PNGs."""
+"""``adaflash bench throughput | adaptation | feedback | pii``: benchmarks that print JSON and draw PNGs."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--per-domain", type=int, default=10, help="held-out prompts per domain (built-in set)")
     t.add_argument("--min-requests", type=int, default=4)
-    t.add_argument("--drafter", default=None)
+    t.add_argument("--drafter", default=None, help="drafter bundle directory, or 'random' (one that never pays)")
+    t.add_argument("--llama-gguf", default=None,
+                   help="GGUF of the target at the served precision: compare ar with llama.cpp (llama-cpp-python)")
     t.add_argument("--no-transformers", action="store_true", help="skip the transformers generate baseline")
     t.add_argument("--out", default="out/bench-throughput")
     t.set_defaults(func=throughput)
@@ -41,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         from bench.feedback import register_bench as reg_feedback
 
         reg_feedback(bsub)
+    except ImportError:
+        pass
+    try:
+        from bench.pii import register_bench as reg_pii
+
+        reg_pii(bsub)
     except ImportError:
         pass
     try:
@@ -68,12 +76,14 @@ def throughput(args, settings) -> int:
         raise CliError("--concurrency needs positive integers")
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be positive")
+    if args.llama_gguf and not Path(args.llama_gguf).is_file():
+        raise CliError(f"GGUF file not found: {args.llama_gguf}")
     if args.prompts and not Path(args.prompts).is_file():
         raise CliError(f"prompts file not found: {args.prompts}")
     try:
         result = run(settings, args.prompts, args.modes, args.concurrency, args.max_tokens, args.drafter,
                      Path(args.out), per_domain=args.per_domain, min_requests=args.min_requests,
-                     compare_transformers=not args.no_transformers)
+                     compare_transformers=not args.no_transformers, llama_gguf=args.llama_gguf)
     except ValueError as e:
         raise CliError(str(e)) from e
     print(json.dumps(result, indent=2))

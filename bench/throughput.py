@@ -42,8 +42,12 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_tokens: int) -> dict:
-    """Keep ``concurrency`` requests in flight until all prompts are served; returns raw stats."""
+def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_tokens: int,
+                    ignore_eos: bool = False) -> dict:
+    """Keep ``concurrency`` requests in flight until all prompts are served; returns raw stats.
+
+    ``step_ms_p50``: median time of an engine step that admitted no new request (a pure
+    decode or verify step)."""
     from dataplane.sequence import SamplingParams, Sequence
 
     pending = list(enumerate(prompt_ids))
@@ -52,14 +56,20 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_t
 
     def submit():
         i, ids = pending.pop(0)
-        s = Sequence(request_id=f"b{i}", prompt_ids=ids, params=SamplingParams(max_tokens=max_tokens))
+        s = Sequence(request_id=f"b{i}", prompt_ids=ids,
+                     params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
         engine.add(s)
         live.append(s)
 
     while pending and len(live) < concurrency:
         submit()
+    steps: list[float] = []
     while live:
+        pure = engine._inbox.empty() and not engine.scheduler.waiting
+        ts = time.perf_counter()
         engine.step()
+        if pure:
+            steps.append((time.perf_counter() - ts) * 1000)
         still = []
         for s in live:
             (done if s.finished_at is not None else still).append(s)
@@ -76,108 +86,115 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_t
     return {"wall_s": wall, "tokens": tokens, "tps": tokens / wall, "tau": (tokens - len(done)) / rounds if rounds else 0.0,
             "mean_k_hat": verified / rounds if rounds else 0.0, "ttft_ms_p50": _pct(ttft, 0.5),
             "ttft_ms_p99": _pct(ttft, 0.99), "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99),
-            "requests": len(done), "outputs": [s.output_ids for s in done]}
+            "step_ms_p50": _pct(steps, 0.5), "requests": len(done), "outputs": [s.output_ids for s in done]}
 
 
-def transformers_baseline(target_dir: Path, prompt_ids: list[list[int]], max_tokens: int) -> float:
-    """TPS of transformers ``generate`` (greedy, batch 1) on the same prompts."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    tokens, t0 = 0, time.perf_counter()
-    with torch.no_grad():
-        for ids in prompt_ids:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
-            tokens += out.shape[1] - len(ids)
-    return tokens / (time.perf_counter() - t0)
-
-
-def packed_verify_cost(target, n_tokens: int = 64, context: int = 128, splits=(1, 4, 8, 16), repeats: int = 3) -> list[dict]:
-    """Time of one verify forward of ``n_tokens`` spread over B requests, relative to B = 1.
-
-    Every request has ``context`` cached tokens. Repeats go round all splits in turn, so
-    that a slow spell of a shared machine hits every split alike; each split's time is
-    its fastest repeat.
-    """
-    g = torch.Generator().manual_seed(0)
-    setups = []
-    for b in splits:
-        per = n_tokens // b
-        kvs = []
-        for _ in range(b):
-            kv = target.new_cache(context + per + 1)
-            target.forward_packed(torch.randint(3, 1000, (context,), generator=g), [0, context], [kv])
-            kvs.append(kv)
-        setups.append((b, per, kvs, torch.randint(3, 1000, (per * b,), generator=g), [i * per for i in range(b + 1)]))
-    times: dict[int, list[float]] = {b: [] for b in splits}
-    for _ in range(repeats):
-        for b, _per, kvs, stream, cu in setups:
-            for kv in kvs:
-                kv.truncate(context)
-            t0 = time.perf_counter()
-            target.forward_packed(stream, cu, kvs)
-            times[b].append(time.perf_counter() - t0)
-    base = min(times[splits[0]])
-    return [{"requests": b, "tokens": per * b, "seconds": min(times[b]), "ratio_to_one_sequence": min(times[b]) / base}
-            for b, per, *_ in setups]
-
-
-def run(settings: Settings, prompts_path: str | None, modes: list[str], concurrency: list[int], max_tokens: int,
-        drafter_dir: str | None, out: Path, per_domain: int = 10, min_requests: int = 4,
-        compare_transformers: bool = True) -> dict:
+def _engine(node, dp, mode: str, drafter, version, settings, tok):
     from dataplane.engine import Engine
-    from dataplane.node import Node
 
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = load_prompts(prompts_path, per_domain)
-    dp = settings.dataplane.model_copy(update={"drafter": drafter_dir or settings.dataplane.drafter})
-    settings.dataplane = dp
-    node = Node(settings)
-    tok = node.tokenizer
-    by_domain: dict[str, list[list[int]]] = {}
-    for p in prompts:
-        ids = tok.encode(tok.apply_chat([{"role": "user", "content": p["prompt"]}]))[: dp.max_prompt_tokens]
-        by_domain.setdefault(p["domain"], []).append(ids)
-    rows, outputs = [], {}
-    jobs = [(m, c, d) for c in concurrency for m in modes for d in by_domain]
-    for mode, c, domain in tqdm(jobs, desc="throughput", unit="run"):
-        ids = by_domain[domain]
-        n = max(min_requests, c)
-        batch = [ids[i % len(ids)] for i in range(n)]
-        engine = Engine(node.target, dp.model_copy(update={"mode": mode}), drafter=node.engine.drafter,
-                        drafter_version=node.engine.drafter_version, eos_token_ids=[tok.eos_token_id],
-                        max_model_len=settings.model.max_model_len)
-        r = run_closed_loop(engine, batch, c, max_tokens)
-        outputs[(mode, c, domain)] = r.pop("outputs")
-        rows.append({"mode": mode, "concurrency": c, "domain": domain, **r})
-    for c in concurrency:  # aggregate over domains
+    return Engine(node.target, dp.model_copy(update={"mode": mode}), drafter=drafter, drafter_version=version,
+                  eos_token_ids=[tok.eos_token_id], max_model_len=settings.model.max_model_len)
+
+
+def _drafter(node, drafter_dir: str | None):
+    """``random``: a drafter of the starter's shape with random weights (one that never pays)."""
+    from dataplane.drafter import new_drafter
+
+    if drafter_dir != "random":
+        return node.engine.drafter, node.engine.drafter_version
+    c = node.engine.drafter.config if node.engine.drafter is not None else None
+    kw = {} if c is None else {"num_layers": c.num_layers, "block_size": c.block_size,
+                               "n_target_layers": len(c.target_layers)}
+    return new_drafter(node.target, seed=0, **kw), "random"
+
+
+def _aggregate(rows: list[dict], concurrency: list[int], modes: list[str]) -> None:
+    for c in concurrency:  # over domains
         for mode in modes:
             sub = [r for r in rows if r["mode"] == mode and r["concurrency"] == c and r["domain"] != "all"]
             tokens, wall = sum(r["tokens"] for r in sub), sum(r["wall_s"] for r in sub)
-            rounds_tau = [r["tau"] for r in sub]
             rows.append({"mode": mode, "concurrency": c, "domain": "all", "wall_s": wall, "tokens": tokens,
-                         "tps": tokens / wall if wall else 0.0, "tau": statistics.fmean(rounds_tau) if rounds_tau else 0,
+                         "tps": tokens / wall if wall else 0.0, "tau": statistics.fmean(r["tau"] for r in sub),
                          "mean_k_hat": statistics.fmean(r["mean_k_hat"] for r in sub),
                          "ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in sub),
                          "ttft_ms_p99": max(r["ttft_ms_p99"] for r in sub),
                          "itl_ms_p50": statistics.median(r["itl_ms_p50"] for r in sub),
-                         "itl_ms_p99": max(r["itl_ms_p99"] for r in sub), "requests": sum(r["requests"] for r in sub)})
+                         "itl_ms_p99": max(r["itl_ms_p99"] for r in sub),
+                         "step_ms_p50": statistics.median(r["step_ms_p50"] for r in sub),
+                         "requests": sum(r["requests"] for r in sub)})
     for r in rows:
         ar = next((x for x in rows if x["mode"] == "ar" and x["concurrency"] == r["concurrency"]
                    and x["domain"] == r["domain"]), None)
         r["speedup_vs_ar"] = r["tps"] / ar["tps"] if ar and ar["tps"] else None
+
+
+def _baselines(node, dp, settings, tok, by_domain, max_tokens: int, llama_gguf: str | None) -> dict:
+    """Our ar at C=1 against transformers (and llama.cpp) at the served precision, same prompts."""
+    from bench.baselines import llama_cpp_available, llama_cpp_tps, transformers_tps
+
+    sample = [ids for d in by_domain.values() for ids in d[:2]]
+    eng = _engine(node, dp, "ar", None, None, settings, tok)
+    run_closed_loop(eng, sample[:1], 1, 8)  # warm-up
+    ours = run_closed_loop(eng, sample, 1, max_tokens, ignore_eos=True)["tps"]
+    dtype = node.target.lm_head.weight.dtype
+    hf = transformers_tps(node.target_dir, sample, max_tokens, dtype, tok.eos_token_id)
+    out = {"precision": str(dtype).removeprefix("torch."), "prompts": len(sample), "ours_ar_tps": ours,
+           "transformers_tps": hf, "ar_vs_transformers": ours / hf}
+    if llama_gguf and llama_cpp_available():
+        lc = llama_cpp_tps(Path(llama_gguf), sample, max_tokens, torch.get_num_threads())
+        out.update({"llama_cpp_gguf": Path(llama_gguf).name, "llama_cpp_tps": lc, "ar_vs_llama_cpp": ours / lc})
+    else:
+        out["llama_cpp_tps"] = None
+    return out
+
+
+def run(settings: Settings, prompts_path: str | None, modes: list[str], concurrency: list[int], max_tokens: int,
+        drafter_dir: str | None, out: Path, per_domain: int = 10, min_requests: int = 4,
+        compare_transformers: bool = True, llama_gguf: str | None = None) -> dict:
+    from bench.machine import bound_ms, describe, weight_bytes
+    from bench.step_cost import packed_verify_cost, verify_cost_curve
+    from dataplane.node import Node
+    from dataplane.runner import serving_precision
+
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(prompts_path, per_domain)
+    dp = settings.dataplane.model_copy(update={"drafter": "" if drafter_dir == "random" else
+                                               (drafter_dir or settings.dataplane.drafter)})
+    settings.dataplane = dp
+    machine = describe(serving_precision(settings))
+    node = Node(settings)
+    tok = node.tokenizer
+    drafter, version = _drafter(node, drafter_dir)
+    by_domain: dict[str, list[list[int]]] = {}
+    for p in prompts:
+        ids = tok.encode(tok.apply_chat([{"role": "user", "content": p["prompt"]}]))[: dp.max_prompt_tokens]
+        by_domain.setdefault(p["domain"], []).append(ids)
+    warm = _engine(node, dp, "adaptive" if drafter else "ar", drafter, version, settings, tok)
+    run_closed_loop(warm, [ids[0] for ids in by_domain.values()], 2, 8)  # first calls allocate and lay out
+    rows, outputs = [], {}
+    jobs = [(m, c, d) for c in concurrency for m in modes for d in by_domain]
+    for mode, c, domain in tqdm(jobs, desc="throughput", unit="run"):
+        ids = by_domain[domain]
+        batch = [ids[i % len(ids)] for i in range(max(min_requests, c))]
+        r = run_closed_loop(_engine(node, dp, mode, drafter, version, settings, tok), batch, c, max_tokens)
+        outputs[(mode, c, domain)] = r.pop("outputs")
+        rows.append({"mode": mode, "concurrency": c, "domain": domain, **r})
+    _aggregate(rows, concurrency, modes)
+    target_b = weight_bytes(node.target)
+    draft_b = weight_bytes(drafter) - target_b if drafter is not None else 0  # shares embed/lm_head
+    bw = machine["read_bandwidth_gbs"]
+    for r in rows:
+        b = bound_ms(target_b + (max(draft_b, 0) if r["mode"] != "ar" else 0), bw)
+        r["bound_ms"] = round(b, 3)
+        r["step_over_bound"] = round(r["step_ms_p50"] / b, 3) if b else None
     lossless = all(outputs[(m, c, d)] == outputs[("ar", c, d)] for (m, c, d) in outputs if "ar" in modes)
-    result = {"target": node.identity, "drafter_version": node.engine.drafter_version, "max_tokens": max_tokens,
+    result = {"machine": machine, "target": node.identity, "drafter_version": version, "max_tokens": max_tokens,
+              "weights_mb": {"target": round(target_b / 1e6, 1), "drafter_own": round(max(draft_b, 0) / 1e6, 1)},
               "rows": rows, "greedy_outputs_identical_to_ar": lossless,
-              "packed_verify": packed_verify_cost(node.target), "cost_model": node.engine.cost.snapshot(),
-              "torch_threads": torch.get_num_threads()}
+              "verify_cost": verify_cost_curve(node.target), "packed_verify": packed_verify_cost(node.target),
+              "cost_model": node.engine.cost.snapshot()}
     if compare_transformers and "ar" in modes:
-        sample = [ids for d in by_domain.values() for ids in d[:2]]
-        eng = Engine(node.target, dp.model_copy(update={"mode": "ar"}), eos_token_ids=[tok.eos_token_id],
-                     max_model_len=settings.model.max_model_len)
-        ours = run_closed_loop(eng, sample, 1, max_tokens)["tps"]
-        hf = transformers_baseline(node.target_dir, sample, max_tokens)
-        result["ar_vs_transformers"] = {"ours_tps": ours, "transformers_tps": hf, "ratio": ours / hf}
+        result["baselines"] = _baselines(node, dp, settings, tok, by_domain, max_tokens, llama_gguf)
     (out / "result.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "plot.png")
     return result
@@ -192,7 +209,7 @@ def plot(result: dict, path: Path) -> None:
     rows = [r for r in result["rows"] if r["domain"] == "all"]
     modes = sorted({r["mode"] for r in rows}, key=["ar", "fixed", "adaptive"].index)
     cs = sorted({r["concurrency"] for r in rows})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
     width = 0.8 / len(modes)
     for i, m in enumerate(modes):
         tps = [next(r["tps"] for r in rows if r["mode"] == m and r["concurrency"] == c) for c in cs]
@@ -212,7 +229,20 @@ def plot(result: dict, path: Path) -> None:
     axes[2].set_title(f"packed verify of {pv[0]['tokens']} tokens vs one sequence")
     axes[2].set_xlabel("requests in the stream")
     axes[2].legend()
-    fig.suptitle(f"{result['target']['id']}, drafter {result['drafter_version']}, max_tokens {result['max_tokens']}")
+    for c in sorted({v["concurrency"] for v in result["verify_cost"]}):
+        pts = [v for v in result["verify_cost"] if v["concurrency"] == c]
+        axes[3].plot([v["tokens_per_request"] for v in pts], [v["ratio_to_one_token"] for v in pts], marker="o",
+                     label=f"C={c}")
+    axes[3].axhline(1.3, color="red", lw=0.8, ls="--", label="1.3x")
+    axes[3].set_xscale("log", base=2)
+    axes[3].set_title("verify cost: k tokens per request vs 1")
+    axes[3].set_xlabel("tokens verified per request")
+    axes[3].legend()
+    m = result["machine"]
+    flags = ",".join(f for f in m["cpu_flags"] if "bf16" in f or f == "avx2") or "-"
+    fig.suptitle(f"{result['target']['id']} in {m['served_precision']} on {m['torch_threads']} threads [{flags}], "
+                 f"{m['read_bandwidth_gbs']} GB/s; drafter {result['drafter_version']}, max_tokens "
+                 f"{result['max_tokens']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

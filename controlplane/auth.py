@@ -21,6 +21,7 @@ import jwt
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from adaflash import credentials
 from adaflash.config import ControlplaneConfig, Settings
 from controlplane import audit
 from controlplane.db import utcnow
@@ -204,20 +205,7 @@ def authenticate(session: Session, token: str, cfg: ControlplaneConfig, secret: 
 
 # -- first start ---------------------------------------------------------------------------------
 def admin_token_path(settings: Settings) -> Path:
-    cfg = settings.controlplane
-    return Path(cfg.admin_token_file) if cfg.admin_token_file else Path(settings.home) / "admin-token"
-
-
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # also when the file existed with a wider mode
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    return credentials.controlplane_admin(settings).path
 
 
 def bootstrap_admin(session: Session, token_path: Path) -> bool:
@@ -228,7 +216,7 @@ def bootstrap_admin(session: Session, token_path: Path) -> bool:
         return False
     _, plaintext = create_key(session, name="bootstrap-admin", role=Role.admin, actor=SYSTEM.actor)
     # File first, then commit: a failed commit leaves no key behind, and we remove the file.
-    _write_private(token_path, plaintext + "\n")
+    credentials.write_private(token_path, plaintext + "\n")
     try:
         session.commit()
     except BaseException:

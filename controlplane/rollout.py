@@ -51,13 +51,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from adaflash import credentials
 from adaflash.config import Settings
 from adaflash.contracts import ALIAS_CHAMPION, ALIAS_PREVIOUS
 from adaflash.telemetry import CONTROLPLANE, SpanAttrs, Spans, tracer
@@ -119,16 +119,7 @@ class PushResult:
 
 def node_admin_token(settings: Settings) -> str | None:
     """The nodes' admin bearer token: env var, configured file, then the embedded node's token file."""
-    cfg = settings.controlplane
-    token = os.environ.get(cfg.node_admin_token_env, "").strip() if cfg.node_admin_token_env else ""
-    files = [cfg.node_admin_token_file, settings.dataplane.admin_token_file,
-             str(Path(settings.home) / "dataplane-admin-token")]
-    for f in files:
-        if token:
-            break
-        if f and Path(f).is_file():
-            token = Path(f).read_text().strip()
-    return token or None
+    return credentials.lookup(credentials.nodes_admin(settings))
 
 
 class NodePusher:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from adaflash.contracts.admin_api import DeletionScope, DeletionState, NodeRole, Role  # noqa: F401
+
 
 class VersionState(StrEnum):
     registered = "registered"  # discovered in the registry, manifest read
@@ -79,39 +81,12 @@ PROMOTION_TRANSITIONS: dict[PromotionState, frozenset[PromotionState]] = {
 ACTIVE_PROMOTION_STATES = frozenset({P.pending, P.canary, P.watching, P.rolling_out, P.rolling_back})
 
 
-class NodeRole(StrEnum):
-    canary = "canary"
-    regular = "regular"
-
-
-class Role(StrEnum):
-    viewer = "viewer"
-    approver = "approver"
-    admin = "admin"
-    auditor = "auditor"  # read-only, limited to its tenants
-    node = "node"  # heartbeat, desired version, tenant policies, its deletion work and acks
-    learner = "learner"  # its deletion work and acks only
-
-
-class DeletionState(StrEnum):
-    pending = "pending"
-    running = "running"
-    completed = "completed"
-    failed = "failed"
-
-
 class DeletionComponent(StrEnum):
     """Who acknowledges a deletion request: each one purges the stores it owns."""
 
     controlplane = "controlplane"  # evaluation reports and plots, the JSONL evaluation window
     node = "node"  # emitter and producer queues, spool, usage-audit samples (one ack per node)
     learner = "learner"  # replay buffer, deferred records, checkpoint ledger (one ack per learner)
-
-
-class DeletionScope(StrEnum):
-    tenant = "tenant"  # everything the platform holds for the tenant
-    requests = "requests"  # records of the listed request ids
-    records = "records"  # the listed record ids
 
 
 def can_transition(table: dict, old, new) -> bool:

@@ -38,10 +38,11 @@ def serve(args, settings) -> int:
 
     import uvicorn
 
+    from adaflash import credentials
     from adaflash.cli import CliError
     from adaflash.telemetry import DATAPLANE, setup_telemetry
     from dataplane.drafter_io import DrafterLoadError
-    from dataplane.node import Node, resolve_admin_token
+    from dataplane.node import Node
     from dataplane.reconcile import Reconciler
     from dataplane.server import create_app
 
@@ -56,7 +57,7 @@ def serve(args, settings) -> int:
         node = Node(settings)
     except DrafterLoadError as e:
         raise CliError(f"cannot load drafter: {e}") from e
-    token = resolve_admin_token(settings)
+    token = credentials.lookup_or_generate(credentials.dataplane_admin(settings))
     cfg = settings.dataplane
     tel = setup_telemetry(DATAPLANE, settings, resource_attributes={"adaflash.node_id": node.node_id})
     public = cfg.public_url or f"http://{cfg.host}:{cfg.port}"

@@ -213,7 +213,8 @@ class Engine:
         out = self.target.forward_packed(torch.tensor(ids, dtype=torch.int64), cu, [s.target_kv for s in seqs],
                                          logits_index=last, hidden_layers=layers)
         if layers:
-            self.drafter.extend_context(out.hidden, cu, [s.drafter_kv for s in seqs])
+            for b, s in enumerate(seqs):
+                s.context_pending.append(out.hidden[cu[b] : cu[b + 1]])
         for i, s in enumerate(seqs):
             if s.greedy:
                 tok = int(out.logits[i].argmax())
@@ -240,7 +241,6 @@ class Engine:
         old_len = [s.target_kv.length for s in plan.seqs]
         layers = self._hidden_layers()
         result, hidden, cu = runner.run(plan, layers)
-        ext_rows, ext_cu, ext_kvs = [], [0], []
         for b, s in enumerate(plan.seqs):
             a = result.accepted[b]
             s.target_kv.truncate(old_len[b] + a + 1)
@@ -248,13 +248,9 @@ class Engine:
             s.verify_s += result.verify_s / len(plan.seqs)
             runner.record_round(s, plan.k_hat[b], a, plan.a_hat[b])
             if hidden is not None and s.drafter_kv is not None and s.drafter_version == self.drafter_version:
-                ext_rows.append(hidden[cu[b] : cu[b] + a + 1])
-                ext_cu.append(ext_cu[-1] + a + 1)
-                ext_kvs.append(s.drafter_kv)
+                s.context_pending.append(hidden[cu[b] : cu[b] + a + 1])
             n = self._commit(s, result.committed[b])
             self.metrics.on_round(plan.k_hat[b], a, n)
-        if ext_kvs:
-            self.drafter.extend_context(torch.cat(ext_rows), ext_cu, ext_kvs)
         self.scheduler.record_step(len(plan.seqs))
 
     # --- commit and finish -----------------------------------------------------------------------

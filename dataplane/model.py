@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dataplane.attention import attend
+from dataplane.fused_layers import FusedModel, fused_key
 from dataplane.kv_cache import SeqKV
 from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary, chunked_linear
 from dataplane.packed_attention import StreamPlan
@@ -127,10 +128,10 @@ class Attention(nn.Module):
             if start > 0:
                 for i in range(e - s):
                     kc, vc = kv.view(layer, start + i + 1)
-                    out[s + i : s + i + 1] = attend(q[s + i : s + i + 1], kc, vc, causal=True)
+                    out[s + i : s + i + 1] = attend(q[s + i : s + i + 1].to(kc.dtype), kc, vc, causal=True)
                 continue
             kc, vc = kv.view(layer, start + (e - s))
-            out[s:e] = attend(q[s:e], kc, vc, causal=True)
+            out[s:e] = attend(q[s:e].to(kc.dtype), kc, vc, causal=True)
         return chunked_linear(self.o_proj, out.reshape(x.shape[0], -1), rows)
 
 
@@ -175,6 +176,9 @@ class TargetModel(nn.Module):
         # Batch-invariant numerics (see forward_packed); the engine sets it from
         # DataplaneConfig.batch_invariant.
         self.batch_invariant = False
+        self._fused: FusedModel | None = None
+        # The module-by-module forward (tests compare the fused serving forward with it).
+        self.reference = False
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -200,12 +204,28 @@ class TargetModel(nn.Module):
         model.rotary.inv_freq = model.rotary.inv_freq.float()
         model.eval().requires_grad_(False)
         model.batch_invariant = False
+        model._fused = None
+        model.reference = False
         return model
+
+    def fused(self) -> FusedModel:
+        """The serving forward's fused weights, built on first use and after the weights change."""
+        if self._fused is None or self._fused.key != fused_key(self):
+            self._fused = FusedModel(self)
+        return self._fused
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """Keys and values are kept in float32 on CPU whatever the weights' precision: the
+        few-query attention products of a decode or verify step run 2-6x faster in float32
+        there than in bfloat16, and a float32 cache is exact for bfloat16 keys."""
+        p = self.lm_head.weight
+        return torch.float32 if p.device.type == "cpu" else p.dtype
 
     def new_cache(self, capacity: int = 64) -> SeqKV:
         a = self.args
         p = self.lm_head.weight
-        return SeqKV(a.num_layers, a.num_kv_heads, a.head_dim, p.dtype, p.device, capacity)
+        return SeqKV(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, p.device, capacity)
 
     # --- forward ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -260,11 +280,15 @@ class TargetModel(nn.Module):
         hidden = (torch.empty(T, len(hidden_layers), x.shape[1], dtype=x.dtype, device=x.device)
                   if hidden_layers else None)
         a = self.args
-        plan = None if rows else StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, x.dtype, x.device)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kvs, bounds, rows, plan)
-            for slot in want.get(i, ()):
-                hidden[:, slot] = x[:T]
+        if rows or self.reference:
+            plan = None if rows else StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype,
+                                                x.device)
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, i, kvs, bounds, rows, plan)
+                for slot in want.get(i, ()):
+                    hidden[:, slot] = x[:T]
+        else:
+            x = self._fused_layers(x, cos, sin, kvs, bounds, want, hidden)
         for (s, e, start), kv in zip(bounds, kvs, strict=True):
             kv.length = start + (e - s)
         logits = None
@@ -272,8 +296,22 @@ class TargetModel(nn.Module):
             h = x[:T] if logits_index is None else x[logits_index]
             h = self.model.norm(h)
             # Few rows want logits (one per request in a prefill): the small size suffices.
-            logits = chunked_linear(self.lm_head, h, BI_DECODE_ROWS) if rows else self.lm_head(h)
+            if rows:
+                logits = chunked_linear(self.lm_head, h, BI_DECODE_ROWS)
+            else:
+                logits = self.lm_head(h) if self.reference else self.fused().lm_head(h)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _fused_layers(self, x, cos, sin, kvs, bounds, want, hidden) -> torch.Tensor:
+        """Default numerics: every layer through ``dataplane.fused_layers`` (same math, fewer calls)."""
+        a, T = self.args, x.shape[0]
+        plan = StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype, x.device)
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [T, 1, d]
+        for i, layer in enumerate(self.fused().layers):
+            x = layer.forward(x, cos, sin, lambda q, k, v, i=i: plan.attend(i, q, k, v, kvs))
+            for slot in want.get(i, ()):
+                hidden[:, slot] = x[:T]
+        return x
 
 
 def default_hidden_layers(num_layers: int, n: int) -> tuple[int, ...]:

@@ -16,8 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, Round, Sampling, Stats, TargetRef
 from adaflash.contracts.manifest import Manifest, sha256_file
@@ -25,6 +23,7 @@ from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import MANIFEST, DrafterLoadError, load_bundle, save_bundle
 from dataplane.engine import Engine
 from dataplane.model import TargetModel
+from dataplane.runner import apply_threads, load_target
 from dataplane.sequence import Sequence
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Detokenizer, Tokenizer
@@ -35,33 +34,15 @@ STARTER_DIR = Path(__file__).parent / "starter"
 RANDOM_VERSION = "random-0"
 
 
-def resolve_admin_token(settings: Settings) -> str:
-    """Bearer token of the admin endpoints: env var, then file, else generated under $ADAFLASH_HOME."""
-    cfg = settings.dataplane
-    token = os.environ.get(cfg.admin_token_env, "").strip()
-    if token:
-        return token
-    path = Path(cfg.admin_token_file) if cfg.admin_token_file else settings.home / "dataplane-admin-token"
-    if path.is_file():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return token
-
-
 class Node:
     def __init__(self, settings: Settings, target: TargetModel | None = None, tokenizer: Tokenizer | None = None,
                  target_dir: Path | None = None):
         self.settings = settings
         cfg = settings.dataplane
-        if settings.model.torch_threads:
-            torch.set_num_threads(settings.model.torch_threads)
+        apply_threads(settings)
         self.target_dir = target_dir or ensure_target(settings)
         self.identity = target_identity(self.target_dir)
-        self.target = target or TargetModel.from_pretrained(self.target_dir)
+        self.target = target or load_target(settings, self.target_dir)
         self.tokenizer = tokenizer or Tokenizer(self.target_dir)
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
         self.manifest: Manifest | None = None

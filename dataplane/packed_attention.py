@@ -90,6 +90,8 @@ class StreamPlan:
         """
         T, d = q.shape[0], self.head_dim
         kvh, g = self.kv_heads, self.g
+        dtype = q.dtype
+        q = q.to(kvs[0].data.dtype) if kvs else q  # attention runs in the cache's precision
         out = q.new_empty(T, self.heads * d)
         kv_new = torch.stack((k, v)).transpose(1, 2)  # [2, kv_heads, T, d]
         for b, s, e, start in self.singles:
@@ -98,7 +100,7 @@ class StreamPlan:
             kc, vc = kv.view(layer, start + e - s)
             out[s:e] = attend(q[s:e], kc, vc, causal=True).reshape(e - s, -1)
         if not self.groups:
-            return out
+            return out.to(dtype)
         qs = q * (d**-0.5)
         for grp in self.groups:
             G = len(grp.members)
@@ -112,7 +114,7 @@ class StreamPlan:
             probs = torch.softmax(torch.baddbmm(grp.mask, qg, keys.transpose(1, 2)), dim=-1)
             og = torch.bmm(probs, vals).view(G, kvh, grp.n_max, g, d).transpose(1, 2).reshape(G * grp.n_max, -1)
             out.index_copy_(0, grp.stream_rows, og.index_select(0, grp.slot_rows))
-        return out
+        return out.to(dtype)
 
 
 def _chunks(lengths: list[int], per_member_extra: int) -> list[list[int]]:

@@ -15,12 +15,12 @@ store that failed is retried next interval; nothing is acknowledged until all pu
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from datetime import UTC, datetime
 
 import httpx
 
+from adaflash import credentials
 from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
 
@@ -44,9 +44,7 @@ class Reconciler:
         cfg = node.settings.dataplane
         if not cfg.controlplane_url:
             return None
-        token = os.environ.get(cfg.controlplane_token_env, "").strip()
-        if not token and cfg.controlplane_token_file and os.path.isfile(cfg.controlplane_token_file):
-            token = open(cfg.controlplane_token_file).read().strip()
+        token = credentials.lookup(credentials.node_controlplane(node.settings)) or ""
         return cls(node, cfg.controlplane_url, token, public_url, cfg.reconcile_interval_s)
 
     def tick(self) -> dict | None:

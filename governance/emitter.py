@@ -4,15 +4,18 @@
 a bounded queue and returns at once; when the queue is full the record is dropped and
 counted (reason ``queue_full``), the request is never held up. A pool of workers then,
 per record: reads the tenant policy (opt-out tenants never emit; the sampling rate
-decides which records emit), scrubs prompt and response (a scrub that raises, or takes
+decides which records emit; a tenant whose policy is not known is treated as opted out
+until it is: its records are held, bounded, and emitted or dropped once the policy is
+known, or dropped with reason ``no_policy``), scrubs prompt and response (a scrub that raises, or takes
 longer than ``scrub_timeout_s``, drops the record: reasons ``scrub_error`` /
 ``scrub_timeout``), and hands the scrubbed record to the producer.
 
 Raw text is never logged, counted, spooled or sent: drop reasons and tenant ids are the
 only labels, exceptions are reported by type name only.
 
-Drop reasons: queue_full, closed, invalid_tenant, opt_out, sampled_out, scrub_error,
-scrub_timeout, producer_backlog, spool_overflow, spool_full, deleted, internal_error.
+Drop reasons: queue_full, closed, invalid_tenant, no_policy, opt_out, sampled_out,
+scrub_error, scrub_timeout, producer_backlog, spool_overflow, spool_full, deleted,
+internal_error.
 
 Deletion requests: ``purge_stores(tenant, before)`` purges the tenant from every store
 of the node (this queue, the producer's queue, the spool, usage-audit samples) and
@@ -24,9 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
-import re
 import threading
 import time
 from collections import Counter, defaultdict
@@ -37,17 +38,18 @@ from typing import Protocol
 
 from opentelemetry.trace import Status, StatusCode
 
+from adaflash import credentials
 from adaflash.config import GovernanceConfig, Settings
 from adaflash.contracts.feedback import FeedbackRecord
-from adaflash.contracts.tenancy import TenantPolicy
+from adaflash.contracts.tenancy import TenantPolicy, valid_tenant_id
 from adaflash.telemetry import DATAPLANE, SpanAttrs, Spans, extract_context, inject_traceparent, tracer
+from governance.hold import HeldRecords
 from governance.pii import ScrubbedRecord
-from governance.policy import PolicySource, StaticPolicySource, default_policy
+from governance.policy import PolicySource, StaticPolicySource
 
 log = logging.getLogger(__name__)
 _tracer = tracer("adaflash.governance", service=DATAPLANE)  # a no-op until the node sets up telemetry
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 INVALID_TENANT_LABEL = "_invalid"
 
 
@@ -84,6 +86,8 @@ class _Metrics:
                                  registry=self.registry)
         self.spool_records = Gauge("adaflash_feedback_spool_records",
                                    "Records in the local spool (broker unreachable or behind)", registry=self.registry)
+        self.held_records = Gauge("adaflash_feedback_held_records",
+                                  "Records waiting for their tenant's policy", registry=self.registry)
 
 
 class FeedbackEmitter:
@@ -114,7 +118,10 @@ class FeedbackEmitter:
         self._deleted: dict[str, datetime] = {}  # tenant -> its records created up to it are dropped
         self._active: Counter[str] = Counter()  # per tenant: records a worker is processing now
         self._usage_flushed_at = time.monotonic()
+        self._held = HeldRecords(self.gov.policy_hold_max, self.gov.policy_hold_s)
+        self._held_retry_at = 0.0
         self.metrics = _Metrics(registry)
+        self.metrics.held_records.set_function(lambda: len(self._held))
         spool = getattr(sink, "spool", None)
         if spool is not None:
             self.metrics.spool_records.set_function(lambda: len(spool))
@@ -144,7 +151,7 @@ class FeedbackEmitter:
         """Queue a finished request's record; never blocks, never raises. False if dropped."""
         try:
             tenant = record.tenant_id
-            if not TENANT_RE.match(tenant or ""):
+            if not valid_tenant_id(tenant):
                 self.count_drop(INVALID_TENANT_LABEL, "invalid_tenant")
                 return False
             if self._closed:
@@ -191,7 +198,7 @@ class FeedbackEmitter:
         with self._lock:
             return {"submitted": dict(self._submitted), "emitted": dict(self._emitted),
                     "dropped": {t: dict(c) for t, c in self._dropped.items()},
-                    "queued": self._q.qsize(), "inflight": self._inflight}
+                    "queued": self._q.qsize(), "inflight": self._inflight, "held": len(self._held)}
 
     def flush_usage(self) -> None:
         if self.usage is None:
@@ -206,19 +213,22 @@ class FeedbackEmitter:
                 log.error("usage audit write failed: %s", type(e).__name__)
 
     # -- workers -------------------------------------------------------------------------
-    def _policy_for(self, tenant: str) -> TenantPolicy:
+    def _policy_for(self, tenant: str) -> TenantPolicy | None:
+        """The tenant's policy, or None when it is not known (fail closed: no default)."""
         try:
-            return self.policy.get(tenant)
-        except Exception as e:  # noqa: BLE001 - a broken source must not stop emission
-            log.warning("policy source failed: %s; using defaults", type(e).__name__)
-            return default_policy(tenant, self.gov)
+            p = self.policy.get(tenant)
+        except Exception as e:  # noqa: BLE001 - a broken source means: no policy known
+            log.warning("policy source failed: %s", type(e).__name__)
+            return None
+        return p if isinstance(p, TenantPolicy) and p.tenant_id == tenant else None
 
     def _work(self) -> None:
         while True:
             try:
-                item = self._q.get(timeout=1.0)
+                item = self._q.get(timeout=min(1.0, self.gov.policy_retry_s))
             except queue.Empty:
                 self._maybe_flush_usage()
+                self._maybe_release_held()
                 continue
             if item is None:
                 return
@@ -236,14 +246,62 @@ class FeedbackEmitter:
                     self._inflight -= 1
                     self._active[record.tenant_id] -= 1
                 self._maybe_flush_usage()
+                self._maybe_release_held()
 
     def _maybe_flush_usage(self) -> None:
         if self.usage is not None and time.monotonic() - self._usage_flushed_at > 1.0:
             self.flush_usage()
 
+    def _maybe_release_held(self) -> None:
+        """Every ``policy_retry_s``: drop held records past their age, and emit or drop
+        those whose tenant's policy has become known."""
+        if not len(self._held):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now < self._held_retry_at:
+                return
+            self._held_retry_at = now + self.gov.policy_retry_s
+        for tenant, n in self._held.expire(now).items():
+            self.count_drop(tenant, "no_policy", n)
+        for tenant in self._held.tenants():
+            policy = self._policy_for(tenant)
+            if policy is not None:
+                self._release(tenant, policy)
+
+    def _release(self, tenant: str, policy: TenantPolicy) -> None:
+        items = self._held.take(tenant)
+        if not items:
+            return
+        with self._lock:
+            self._active[tenant] += 1
+        try:
+            for record, traceparent in items:
+                try:
+                    self._apply(record, traceparent, policy)
+                except Exception as e:  # noqa: BLE001
+                    log.error("feedback worker error: %s", type(e).__name__)
+                    self.count_drop(tenant, "internal_error")
+        finally:
+            with self._lock:
+                self._active[tenant] -= 1
+
     def _process(self, record: FeedbackRecord, traceparent: str | None) -> None:
         tenant = record.tenant_id
         policy = self._policy_for(tenant)
+        if policy is None:  # treated as opted out until the policy is known
+            if not self._held.add(record, traceparent):
+                self.count_drop(tenant, "no_policy")
+            return
+        self._release(tenant, policy)  # records held earlier go first
+        self._apply(record, traceparent, policy)
+
+    def _apply(self, record: FeedbackRecord, traceparent: str | None, policy: TenantPolicy) -> None:
+        """Emit or drop one record under its tenant's known policy."""
+        tenant = record.tenant_id
+        if self._is_deleted(record):
+            self.count_drop(tenant, "deleted")
+            return
         if policy.opt_out:
             self.count_drop(tenant, "opt_out")
             return
@@ -335,7 +393,7 @@ class FeedbackEmitter:
         return report
 
     def purge_tenant(self, tenant_id: str) -> int:
-        """Drop the tenant's records still waiting in the queue; returns how many."""
+        """Drop the tenant's records still waiting in the queue or for its policy; returns how many."""
         with self._q.mutex:
             keep = [it for it in self._q.queue if it is None or it[0].tenant_id != tenant_id]
             n = len(self._q.queue) - len(keep)
@@ -345,6 +403,8 @@ class FeedbackEmitter:
         if n:
             with self._lock:
                 self._inflight -= n
+        n += len(self._held.take(tenant_id))
+        if n:
             self.count_drop(tenant_id, "deleted", n)
         return n
 
@@ -371,6 +431,8 @@ class FeedbackEmitter:
             if t.is_alive():
                 t.join(timeout=2.0)
         self._scrub_pool.shutdown(wait=False, cancel_futures=True)
+        for tenant, n in self._held.clear().items():  # policy still unknown at shutdown
+            self.count_drop(tenant, "no_policy", n)
         self.flush_usage()
         if self._owns_sink and hasattr(self.sink, "close"):
             self.sink.close()
@@ -400,9 +462,9 @@ def build_emitter(settings: Settings, *, bootstrap: str | None = None, policy: P
         if settings.dataplane.controlplane_url:
             from governance.policy import HttpPolicySource
 
-            token = os.environ.get(settings.dataplane.controlplane_token_env, "").strip() or None
+            token = credentials.lookup(credentials.node_controlplane(settings))
             policy = HttpPolicySource(settings.dataplane.controlplane_url, ttl_s=gov.policy_ttl_s,
-                                      timeout_s=gov.policy_timeout_s, gov=gov, token=token)
+                                      timeout_s=gov.policy_timeout_s, retry_s=gov.policy_retry_s, token=token)
         else:
             policy = StaticPolicySource(gov=gov)
     spool = Spool(gov.spool_path or gdir / "spool.db", gov.spool_max_records, gov.spool_overflow)

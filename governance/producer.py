@@ -78,10 +78,9 @@ class FeedbackProducer:
         self.backoff_min, self.backoff_max = backoff_s
         self.put_timeout_s = put_timeout_s
         if ensure_topics_fn is None and self.kafka.ensure_topics:
-            from adaflash.config import GovernanceConfig
-            from governance.broker import ensure_topics
+            from adaflash.contracts.topics import default_retention_ms, ensure_topics
 
-            ret = retention_ms or int(GovernanceConfig().default_ttl_days * 86_400_000)
+            ret = retention_ms or default_retention_ms()
             ensure_topics_fn = lambda: ensure_topics(bootstrap, self.kafka, ret,  # noqa: E731
                                                      timeout_ms=self.kafka.request_timeout_ms)
         self._ensure_topics = ensure_topics_fn

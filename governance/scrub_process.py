@@ -38,7 +38,7 @@ def _child(conn, nice: int, threshold: float) -> None:
         if texts is None:
             return
         try:
-            conn.send(("ok", [(r.text, r.counts) for r in map(scrubber.scrub, texts)]))
+            conn.send(("ok", [(r.text, r.counts) for r in scrubber.scrub_texts(texts)]))
         except Exception as e:  # noqa: BLE001 - the parent fails closed on any error
             conn.send(("error", type(e).__name__))
 

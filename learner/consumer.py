@@ -148,21 +148,3 @@ class FeedbackConsumer:
             self.producer.close(timeout=5)
         finally:
             self.consumer.close(autocommit=False, timeout_ms=10_000)
-
-
-def ensure_topics(kafka: KafkaConfig) -> None:
-    """Create the feedback and DLQ topics if missing (the embedded broker starts empty)."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
-    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id="adaflash-learner-admin")
-    try:
-        have = set(admin.list_topics())
-        new = [NewTopic(t, kafka.partitions, 1) for t in (kafka.feedback_topic, kafka.dlq_topic) if t not in have]
-        if new:
-            try:
-                admin.create_topics(new)
-            except TopicAlreadyExistsError:
-                pass
-    finally:
-        admin.close()

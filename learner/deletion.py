@@ -16,11 +16,12 @@ them. The control plane lists the published ones (lineage) as trained-in candida
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import UTC, datetime
 
 import httpx
+
+from adaflash import credentials
 
 log = logging.getLogger("adaflash.learner.deletion")
 
@@ -41,10 +42,7 @@ class DeletionPoller:
         cfg = learner.settings.learner
         if not cfg.controlplane_url:
             return None
-        token = os.environ.get(cfg.controlplane_token_env, "").strip()
-        if not token and cfg.controlplane_token_file and os.path.isfile(cfg.controlplane_token_file):
-            with open(cfg.controlplane_token_file) as f:
-                token = f.read().strip()
+        token = credentials.lookup(credentials.learner_controlplane(learner.settings)) or ""
         return cls(learner, cfg.controlplane_url, token, cfg.learner_id, cfg.deletion_poll_s)
 
     def tick(self) -> list[dict]:

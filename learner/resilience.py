@@ -70,10 +70,8 @@ class BrokerWatch:
         if now - self._last_ensure < ENSURE_EVERY_S:
             return
         self._last_ensure = now
-        from learner.consumer import ensure_topics
-
         try:
-            ensure_topics(self.learner.settings.kafka)
+            self.learner.ensure_topics()
         except Exception as e:  # noqa: BLE001 - broker still down: try again later
             log.warning("cannot create the topics yet: %s", type(e).__name__)
         cluster.request_update()

@@ -156,17 +156,24 @@ class Learner:
         """Create the topics and join the group, waiting for the broker as long as it takes."""
         from kafka.errors import KafkaError
 
-        from learner.consumer import FeedbackConsumer, ensure_topics
+        from learner.consumer import FeedbackConsumer
 
         while True:
             try:
-                ensure_topics(self.settings.kafka)
+                self.ensure_topics()
                 self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked)
                 return
             except KafkaError as e:
                 if self.stop_event.wait(2.0):
                     raise
                 log.warning("broker unavailable (%s); trying again", type(e).__name__)
+
+    def ensure_topics(self) -> None:
+        """Create missing topics with the default TTL; existing ones are left alone."""
+        from adaflash.contracts.topics import default_retention_ms, ensure_topics
+
+        kc = self.settings.kafka
+        ensure_topics(kc.bootstrap, kc, default_retention_ms(self.settings.governance), update_existing=False)
 
     def _revoked(self, partitions: set[int]) -> None:
         """Records of partitions we no longer own are forgotten: the next owner re-reads them

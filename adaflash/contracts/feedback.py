@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from adaflash.contracts import FEEDBACK_SCHEMA_VERSION
+from adaflash.contracts.tenancy import TenantId
 
 # Held-out split of live feedback: one record in EVALUATION_MODULUS is kept for shadow
 # evaluation and never trained on. The rule hashes the record id (sha256, not Python's
@@ -65,7 +66,7 @@ class FeedbackRecord(BaseModel):
 
     record_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     schema_version: Literal[1] = FEEDBACK_SCHEMA_VERSION
-    tenant_id: str = Field(min_length=1, max_length=128)
+    tenant_id: TenantId
     node_id: str
     request_id: str
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from adaflash.contracts.tenancy import TENANT_ID_PATTERN as TENANT_PATTERN  # noqa: F401 - one rule
+
 TENANT_HEADER = "X-Tenant-ID"
-TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 
 
 class _Common(BaseModel):

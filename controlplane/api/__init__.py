@@ -1,7 +1,7 @@
 """The admin API: ``create_app(settings)`` builds the FastAPI application.
 
-Every route under /api/v1 requires a bearer credential; /openapi.json, /docs and
-/healthz are public. On first start an admin key is written to the admin-token file.
+Every route under /api/v1 requires a bearer credential; /openapi.json, /docs,
+/healthz and /metrics (Prometheus) are public; /console is the web console (its own login). On first start an admin key is written to the admin-token file.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from adaflash.config import Settings, load_config
-from controlplane import auth
+from controlplane import auth, console, metrics
 from controlplane.api import errors
 from controlplane.api.deps import current_principal
 from controlplane.api.routes import audit, evaluations, keys, nodes, tenants, versions
@@ -68,9 +69,17 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True) -> Fas
                    tenants.router, tenants.deletions, audit.router, keys.router):
         api.include_router(router)
     app.include_router(api)
+    console.install(app)  # the web console at /console (same keys, roles and actions)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz():
         return {"status": "ok"}
+
+    metrics_registry = metrics.make_registry(sessions, settings)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics():
+        """Versions per state, approval wait, nodes, the learner's consumer lag (Prometheus text)."""
+        return Response(metrics.render(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -129,3 +129,29 @@ def test_ar_equals_transformers_greedy_except_named_near_ties(real_target_dir, r
             near_ties.append((i, j, float(top2[0] - top2[1])))
     assert all(gap < 1e-3 for _, _, gap in near_ties), near_ties
     print(f"near-ties (prompt, position, logit gap): {near_ties}")
+
+
+@pytest.fixture(scope="module")
+def real_target_bf16(real_target_dir):
+    from dataplane.model import TargetModel
+    from dataplane.precision import BF16_FLAGS, cpu_flags
+
+    if not any(f in cpu_flags() for f in BF16_FLAGS):
+        pytest.skip("no AVX512-BF16/AMX on this CPU: bfloat16 is emulated here and never served "
+                    "(model.dtype auto serves float32); bfloat16 exactness is covered on tiny models")
+    return TargetModel.from_pretrained(real_target_dir, dtype=torch.bfloat16)
+
+
+def test_bfloat16_speculation_equals_ar_exactly_with_batch_invariant_numerics(real_target_bf16, real_tokenizer,
+                                                                               prompt_ids):
+    """The served precision on CPUs with AVX512-BF16: the same guarantee as in float32."""
+    eos = real_tokenizer.eos_token_id
+    ids = prompt_ids[::3]
+    expected = _run(real_target_bf16, "ar", None, ids, 8, eos, batch_invariant=True)[0]
+    for name, drafter in _drafters(real_target_bf16):
+        for mode in ("fixed", "adaptive"):
+            outs, seqs = _run(real_target_bf16, mode, drafter, ids, 8, eos, batch_invariant=True)
+            differ = [i for i, (a, b) in enumerate(zip(outs, expected, strict=True)) if a != b]
+            assert differ == [], f"bfloat16 {name}/{mode}: prompts {differ} differ from ar"
+            if mode == "fixed":
+                assert sum(r.k_hat for s in seqs for r in s.rounds) > sum(len(s.rounds) for s in seqs)

@@ -163,11 +163,11 @@ def _learner(tmp_path, broker, cp, token_file: Path):
 
 
 def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
+    from adaflash.contracts.topics import ensure_topics
     from controlplane.db import session_scope
     from dataplane.reconcile import Reconciler
     from governance.emitter import build_emitter
     from governance.policy import StaticPolicySource
-    from learner.consumer import ensure_topics
     from learner.service import Learner
 
     torch.set_num_threads(1)
@@ -178,7 +178,7 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
     # --- the learner trains on both tenants, then holds more of both in its buffer -------------
     ls = _learner(tmp_path, broker, cp, tmp_path / "learner.token")
     trained = [_rec(t, f"t{i}") for i in range(2) for t in (GONE, STAY)]
-    ensure_topics(ls.kafka)
+    ensure_topics(ls.kafka.bootstrap, ls.kafka, 3_600_000)
     produce(broker.bootstrap, ls.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in trained])
     first = Learner(ls)
     assert first.run(exit_when_idle_s=1.5) >= 1

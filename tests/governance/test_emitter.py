@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from adaflash.config import GovernanceConfig
 from adaflash.contracts.tenancy import TenantPolicy
 from governance.emitter import FeedbackEmitter, sampled
 from governance.pii import ScrubbedRecord, ScrubError
@@ -116,7 +117,8 @@ def test_invalid_tenant_and_metrics_labels():
     from prometheus_client import generate_latest
 
     em = FeedbackEmitter(ListSink(), FlakyScrubber(), workers=1, scrub_timeout_s=1)
-    bad = make_record(tenant="John Smith <john@example.com>")
+    # the contract refuses such an id; a record built around it must still be refused here
+    bad = make_record().model_copy(update={"tenant_id": "John Smith <john@example.com>"})
     assert em.submit(bad) is False
     assert em.submit(make_record(prompt="BOOM Margaret Thompson"))
     assert em.drain(5)
@@ -129,7 +131,7 @@ def test_invalid_tenant_and_metrics_labels():
     assert em.submit(make_record()) is False  # closed
 
 
-def test_policy_source_failure_falls_back_to_defaults():
+def test_policy_source_failure_holds_then_drops_never_defaults():
     class Broken:
         def get(self, tenant_id):
             raise RuntimeError("down")
@@ -138,8 +140,61 @@ def test_policy_source_failure_falls_back_to_defaults():
     em = FeedbackEmitter(sink, FlakyScrubber(), Broken(), workers=1)
     assert em.submit(make_record())
     assert em.drain(5)
+    assert em.counters()["held"] == 1
     em.close()
-    assert len(sink.got) == 1
+    assert sink.got == []
+    assert em.counters()["dropped"] == {"acme": {"no_policy": 1}}
+
+
+def test_held_records_follow_the_policy_once_known():
+    class Flipping:
+        """No policy until ``known`` is set; then acme is opted out, beta samples all."""
+
+        def __init__(self):
+            self.known = threading.Event()
+
+        def get(self, tenant_id):
+            if not self.known.is_set():
+                return None
+            return TenantPolicy(tenant_id=tenant_id, opt_out=tenant_id == "acme")
+
+    src = Flipping()
+    sink = ListSink()
+    em = FeedbackEmitter(sink, FlakyScrubber(), src, gov=GovernanceConfig(policy_retry_s=0.05, policy_hold_max=3),
+                         workers=1)
+    for i in range(4):
+        assert em.submit(make_record(tenant="acme" if i % 2 else "beta", request_id=str(i)))
+    assert em.drain(5)
+    c = em.counters()
+    assert c["held"] == 3 and c["emitted"] == {} and sink.got == []
+    assert c["dropped"] == {"acme": {"no_policy": 1}}  # no room: the fourth is dropped
+    src.known.set()
+    deadline = time.monotonic() + 10
+    while em.counters()["held"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    em.close()
+    c = em.counters()
+    assert c["held"] == 0
+    assert [r.tenant_id for r, _ in sink.got] == ["beta", "beta"]
+    assert c["dropped"] == {"acme": {"no_policy": 1, "opt_out": 1}}
+
+
+def test_held_records_expire():
+    sink = ListSink()
+
+    class Unknown:
+        def get(self, tenant_id):
+            return None
+
+    em = FeedbackEmitter(sink, FlakyScrubber(), Unknown(),
+                         gov=GovernanceConfig(policy_retry_s=0.05, policy_hold_s=0.2), workers=1)
+    assert em.submit(make_record())
+    deadline = time.monotonic() + 10
+    while not em.counters()["dropped"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert em.counters()["dropped"] == {"acme": {"no_policy": 1}} and em.counters()["held"] == 0
+    em.close()
+    assert sink.got == []
 
 
 def test_purge_tenant_drops_queued_records():

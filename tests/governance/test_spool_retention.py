@@ -158,7 +158,7 @@ class _PolicyHandler(BaseHTTPRequestHandler):
         pass
 
 
-def test_http_policy_source_caches_and_falls_back():
+def test_http_policy_source_caches_keeps_last_good_and_knows_no_default():
     _PolicyHandler.policies = {"a": {"tenant_id": "a", "sampling_rate": 0.25, "opt_out": False, "ttl_days": 3,
                                      "share_cap": 0.2}}
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _PolicyHandler)
@@ -169,13 +169,13 @@ def test_http_policy_source_caches_and_falls_back():
         assert src.get("a").sampling_rate == 0.25
         assert src.get("a").ttl_days == 3
         assert _PolicyHandler.calls == 1  # cached
-        assert src.get("unknown").sampling_rate == 1.0  # 404 -> defaults
+        assert src.get("unknown") is None  # 404: no policy (the control plane answers every tenant)
         srv.shutdown()
         srv.server_close()
         src.invalidate("a")
         src._cache["a"] = (src._cache.get("a", (TenantPolicy(tenant_id="a", sampling_rate=0.25), 0))[0], 0)
         assert src.get("a").sampling_rate == 0.25  # unreachable: last good answer
-        assert src.get("never-seen").sampling_rate == 1.0  # unreachable, unknown: defaults
+        assert src.get("never-seen") is None  # unreachable, never answered: no policy, no default
         assert src.counters["errors"] >= 2
     finally:
         src.close()

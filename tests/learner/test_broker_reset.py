@@ -17,8 +17,8 @@ import uuid
 import pytest
 
 from adaflash.config import KafkaConfig, load_config
+from adaflash.contracts.topics import ensure_topics
 from governance.broker import TansuBroker
-from learner.consumer import ensure_topics
 from tests.learner.tiny import TARGET_ID, make_record, produce
 
 pytestmark = pytest.mark.services
@@ -74,7 +74,7 @@ def test_learner_survives_broker_kill_and_empty_restart(tmp_path, target_dir, dr
                                learner={"buffer_size": 4, "anchors_per_record": 2, "max_wait_s": 600.0,
                                         "init_drafter": str(drafter_dir), "state_dir": str(state),
                                         "publish_every": 0, "poll_timeout_ms": 200, "max_record_tokens": 160})
-        ensure_topics(kafka)
+        ensure_topics(kafka.bootstrap, kafka, 3_600_000)
         errors: list[BaseException] = []
         made: list[Learner] = []
 

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from adaflash.config import KafkaConfig
+from adaflash.contracts.topics import ensure_topics
 from learner.checkpoint import CheckpointStore
-from learner.consumer import ensure_topics
 from tests.learner.tiny import TARGET_ID, committed, make_record, produce
 
 pytestmark = pytest.mark.services
@@ -55,7 +55,7 @@ def test_killed_learner_resumes_with_no_record_lost_and_none_trained_twice(tmp_p
         "learner": {"buffer_size": 4, "anchors_per_record": 2, "max_wait_s": 1.0, "init_drafter": str(drafter_dir),
                     "state_dir": str(state), "publish_every": 0, "poll_timeout_ms": 200, "max_record_tokens": 160},
     }))
-    ensure_topics(kafka)
+    ensure_topics(kafka.bootstrap, kafka, 3_600_000)
     tenants = ["acme", "beta", "gamma"]
     good = [make_record(tenant=tenants[i % 3], response=f"answer number {i}.") for i in range(20)]
     produce(broker.bootstrap, kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good] +

@@ -13,10 +13,10 @@ import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from adaflash.config import KafkaConfig, LearnerConfig, ModelConfig, Settings, load_config
+from adaflash.contracts.topics import ensure_topics
 from adaflash.telemetry import LEARNER, reset_telemetry, setup_telemetry
 from dataplane.drafter_io import load_bundle
 from learner.checkpoint import CheckpointStore
-from learner.consumer import ensure_topics
 from learner.publish import Publisher
 from learner.service import Learner, state_dir
 from tests.learner.tiny import TARGET_ID, committed, log_ends, make_record, produce, read_all
@@ -43,7 +43,7 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
            ("beta", make_record(tenant="beta", response="y" * 400).to_bytes())]
     old = make_record(tenant="acme", created_at=datetime.now(UTC) - timedelta(days=45))  # past the 30-day TTL
     bad.append(("acme", old.to_bytes()))
-    ensure_topics(s.kafka)
+    ensure_topics(s.kafka.bootstrap, s.kafka, 3_600_000)
     produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good] + bad)
 
     spans = InMemorySpanExporter()

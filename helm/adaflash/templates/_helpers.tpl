@@ -169,6 +169,13 @@ imagePullPolicy: {{ $o.pullPolicy | default .root.Values.image.pullPolicy }}
       name: {{ .name }}
       key: {{ .key }}
 {{- end }}{{ end }}
+{{- with $v.secrets.consoleSecret }}{{ if .name }}
+- name: ADAFLASH_CONSOLE_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}{{ end }}
 {{- end -}}
 
 {{- define "adaflash.envFrom" -}}

@@ -1,0 +1,126 @@
+"""Which precision a node serves in, chosen by measuring the machine (``model.dtype: auto``).
+
+A decode step streams every weight once, so halving the bytes (bfloat16) halves the
+bound, but only where the CPU multiplies bfloat16 natively: with AVX512-BF16 or AMX a
+one-row bfloat16 product of the model's shapes ran in 0.6x the float32 time; on an
+AVX2-only CPU the same product ran about 100x slower than float32. No fixed choice is
+right, so ``auto`` reads the CPU flags and times the product both ways on a few
+matrices of the target's shapes, and serves bfloat16 only when it is clearly faster.
+On CUDA the answer is bfloat16. The decision is cached per machine under the cache
+directory (CPU model, flags, torch version), so a restart does not measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dataplane.kernels.cpu_linear import PackedLinear
+
+log = logging.getLogger("adaflash.precision")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# bfloat16 is served when its probe step takes at most this share of float32's.
+BF16_WIN_RATIO = 0.85
+PROBE_SHAPES = ((960, 576), (3072, 576), (576, 1536), (576, 576))  # SmolLM2-135M's fused layer
+PROBE_LAYERS = 6
+PROBE_REPEATS = 7
+
+
+@dataclass
+class PrecisionChoice:
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    reason: str
+    cpu_flags: list[str]
+    probe_ms: dict[str, float]  # one probe pass per candidate dtype (median)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that decide precision and kernels, as /proc/cpuinfo names them."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "fma")
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return [f for f in wanted if f in have]
+    return []
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _probe_ms(dtype: torch.dtype) -> float:
+    """Median time of one row through PROBE_LAYERS copies of the probe shapes, in ms."""
+    g = torch.Generator().manual_seed(0)
+    lins = [PackedLinear((torch.randn(n, k, generator=g) * 0.02).to(dtype))
+            for _ in range(PROBE_LAYERS) for n, k in PROBE_SHAPES]
+    xs = {k: torch.randn(1, k, generator=g).to(dtype) for _, k in PROBE_SHAPES}
+    times = []
+    for _ in range(PROBE_REPEATS + 2):
+        t0 = time.perf_counter()
+        for lin in lins:
+            lin(xs[lin.weight.shape[1]])
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[2:])
+    return 1e3 * times[len(times) // 2]
+
+
+def probe(flags: list[str] | None = None) -> PrecisionChoice:
+    """Measure this machine and choose (CPU only)."""
+    flags = cpu_flags() if flags is None else flags
+    if not any(f in flags for f in BF16_FLAGS):
+        return PrecisionChoice("float32", "no AVX512-BF16/AMX: bfloat16 products are emulated", flags, {})
+    ms = {"float32": _probe_ms(torch.float32), "bfloat16": _probe_ms(torch.bfloat16)}
+    if ms["bfloat16"] <= BF16_WIN_RATIO * ms["float32"]:
+        return PrecisionChoice("bfloat16", f"bfloat16 probe {ms['bfloat16']:.2f} ms vs float32 "
+                               f"{ms['float32']:.2f} ms", flags, ms)
+    return PrecisionChoice("float32", f"bfloat16 does not pay here ({ms['bfloat16']:.2f} ms vs "
+                           f"{ms['float32']:.2f} ms)", flags, ms)
+
+
+def _cache_file(cache_dir: Path) -> Path:
+    key = json.dumps([cpu_model(), cpu_flags(), torch.__version__, torch.get_num_threads()])
+    return cache_dir / "precision" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def choose(setting: str, device: str | torch.device = "cpu", cache_dir: Path | None = None) -> PrecisionChoice:
+    """Resolve ``model.dtype`` (``auto`` | ``float32`` | ``bfloat16`` | ``float16``)."""
+    if setting != "auto":
+        if setting not in DTYPES:
+            raise ValueError(f"model.dtype must be auto, float32, bfloat16 or float16, not {setting!r}")
+        return PrecisionChoice(setting, "set in the configuration", cpu_flags(), {})
+    if torch.device(device).type == "cuda":
+        return PrecisionChoice("bfloat16", "CUDA serves bfloat16", [], {})
+    path = _cache_file(cache_dir) if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            return PrecisionChoice(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            log.warning("ignoring unreadable precision cache %s", path)
+    choice = probe()
+    log.info("served precision: %s (%s)", choice.dtype, choice.reason)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(choice)))
+    return choice
