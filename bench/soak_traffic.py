@@ -3,8 +3,8 @@
 Kinds: chat, code (completions), stream (chat, SSE), sampled (temperature 0.8), malformed
 (bad JSON or a bad field: must get a 4xx JSON error), disconnect (a stream the client
 drops after the first chunk). Tenants t0..tN-1 share the load; one more tenant, ``flood``,
-sends as fast as its own threads can, to node 1 only. A well-formed request whose node is
-down (connection refused or reset) is retried once on the next node.
+sends as fast as its own threads can, to node 1 only. A request whose node is down
+(connection refused or reset) is retried once on the next node.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ class Traffic:
                 status, ttft, err = self._send(client, url, kind, tenant, body)
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
                 status, ttft, err = 0, None, f"{type(e).__name__}"
-                if kind != "malformed" and attempt == 0:
-                    continue  # node down: the next one
+                if attempt == 0:
+                    continue  # node down: the next one (a malformed request too: it is owed a 4xx)
             self._record(Event(t0, kind, tenant, (node + attempt) % len(self.urls), status,
                                None if ttft is None else ttft - t0, self.now() - t0, attempt > 0, err))
             return
