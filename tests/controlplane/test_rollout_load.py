@@ -105,3 +105,24 @@ def test_single_node_compared_with_its_own_baseline_at_similar_load(sessions, se
     assert got and "rolling 2 out" in got, got
     got = watch(sessions, clock, rec, ["n1"], {"n1": (4.0, 1.0)})
     assert got and "rolling back" in got and "own baseline" in got, got
+
+
+def test_single_node_far_from_any_baseline_load_is_judged_on_tau_only(sessions, settings):
+    """Seen only at 1 request before the promotion, the node now carries 30: its TPS has no
+    baseline at that load (not judged), its tau is compared with the closest load seen."""
+    clock, rec = start(sessions, settings, ["n1"], before=((5.0, 1.0),), canary_fraction=1.0)
+    got = watch(sessions, clock, rec, ["n1"], {"n1": (1.0, 30.0)})
+    assert got and "rolling 2 out" in got, got  # 1 tok/s at 30 requests vs 5 at 1: not comparable
+
+
+def test_single_node_tau_drop_at_an_unseen_load_rolls_back(sessions, settings):
+    clock, rec = start(sessions, settings, ["n1"], before=((5.0, 1.0),), canary_fraction=1.0)
+    last = None  # the canary's tau halves
+    for _ in range(6):
+        clock.tick(3)
+        want = desired(sessions, ["n1"])
+        beat(sessions, clock, "n1", want["n1"], tps=1.0, load=30.0, tau=1.0)
+        last = rec.run_once() or last
+        if last and "rolling back" in last:
+            break
+    assert last and "rolling back" in last and "live tau" in last and "live tps" not in last, last
