@@ -59,6 +59,14 @@ class DataplaneConfig(BaseModel):
     max_new_tokens_limit: int = 1024
     max_request_bytes: int = 1_048_576  # larger request bodies get HTTP 413
     max_waiting: int = 4096  # requests (choices) queued before new ones get HTTP 429
+    # Tenant-fair admission (dataplane/admission.py): weighted fair queuing across tenants
+    # and per-tenant limits; a tenant policy's weight / max_queued / max_tokens win over
+    # these. Over a limit the node answers 429 with Retry-After. 0: no limit.
+    tenant_weight: float = 1.0
+    tenant_max_queued: int = 256  # requests of one tenant waiting for admission
+    tenant_max_tokens: int = 0  # prompt + max_tokens of one tenant's queued and running requests
+    tenant_retry_after_s: int = 1  # Retry-After when the node has no recent throughput to estimate from
+    tenant_retry_after_max_s: int = 60
     # Admin endpoints: bearer token read from this env var or file (never from the repo).
     admin_token_env: str = "ADAFLASH_ADMIN_TOKEN"
     admin_token_file: str = ""
@@ -167,6 +175,7 @@ class LearnerConfig(BaseModel):
     max_deferred: int = 128  # records held back by the share cap before fetching pauses
     session_timeout_ms: int = 6000  # consumer group session (fast joins on Tansu)
     poll_timeout_ms: int = 500
+    metadata_max_age_ms: int = 5000  # cluster metadata refresh (notices a broker that came back empty)
     supervise_chunk_tokens: int = 4096  # target tokens per packed supervision forward
     keep_checkpoints: int = 2
     seed: int = 0
@@ -204,6 +213,11 @@ class ControlplaneConfig(BaseModel):
     feedback_jsonl: str = ""
     shadow_per_partition: int = 500  # records read back from each partition's tail
     shadow_max_records: int = 2000  # newest held-out records replayed
+    # The control plane's own copy of the window (controlplane/eval_window.py): held-out
+    # records it reads are kept in its database (TTL per tenant, deletions honoured), so a
+    # broker that restarts empty does not empty the window.
+    eval_window_persist: bool = True
+    eval_window_max_records: int = 10_000
     # Push desired versions to nodes' POST /admin/drafter (heartbeats converge anyway):
     # the nodes' admin bearer token from this env var (the Helm chart's adminToken secret),
     # else this file, else the dataplane's token file; none: no push.
@@ -252,6 +266,12 @@ class StackConfig(BaseModel):
     mlflow_port: int = 5000
     random_ports: bool = False
     node_id: str = "node-1"  # the embedded node's id (its control-plane key is bound to it)
+    nodes: int = Field(default=1, ge=1, le=16)  # serving nodes (node-1, node-2, ...)
+    learners: int = Field(default=1, ge=1, le=16)  # learners, one consumer group
+    # Control-plane database of the stack: "sqlite" under $ADAFLASH_HOME, or "postgres": a
+    # fresh database per run on this server (dropped by `adaflash down`).
+    database: Literal["sqlite", "postgres"] = "sqlite"
+    postgres_admin_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     # Gate policy of the embedded control plane when controlplane.policy_file is empty:
     # "demo" (adaflash/demo_policy.yaml: short windows, approval auto), "default" (the
     # control plane's packaged policy) or a file path.

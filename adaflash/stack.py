@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from adaflash import stack_parts
 from adaflash.config import Settings
 from adaflash.credentials import (
     ADMIN_TOKEN_FILE,
-    LEARNER_TOKEN_FILE,
     NODE_TOKEN_FILE,
     read_file,
     write_private,
@@ -258,6 +258,10 @@ class Service:
     url: str | None = None
     after_ready: Callable[[], str] | None = None  # e.g. create Kafka topics after a broker (re)start
     before_start: Callable[[Service], None] | None = None  # e.g. make the node's API key
+    kind: str = ""  # the part (broker, ..., dataplane, learner); several services may share one
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or self.name
 
 
 @dataclass
@@ -343,6 +347,10 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
     node_token = home / NODE_TOKEN_FILE
     admin_token = Path(settings.controlplane.admin_token_file or home / ADMIN_TOKEN_FILE)
     db_url = settings.controlplane.database_url or f"sqlite:///{home / 'controlplane.db'}"
+    pg_name = None
+    if sc.database == "postgres" and not settings.controlplane.database_url:
+        pg_name = stack_parts.new_database_name()
+        db_url = stack_parts.database_url(sc.postgres_admin_dsn, pg_name)
 
     base_env = {
         "ADAFLASH_HOME": str(home),
@@ -379,40 +387,22 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
     policy = gate_policy_file(settings)
     if "controlplane" in run:
         port = ports["controlplane"]
-        env = {"ADAFLASH_CONTROLPLANE__PORT": str(port)}
+        env = {"ADAFLASH_CONTROLPLANE__PORT": str(port),
+               **stack_parts.controlplane_env(settings, db_url if pg_name else None)}
         if policy:
             env["ADAFLASH_CONTROLPLANE__POLICY_FILE"] = policy
+
+        def make_db(_svc: Service) -> None:
+            if pg_name:
+                stack_parts.create_database(sc.postgres_admin_dsn, pg_name)
         services.append(Service(
             "controlplane", _cli(config, "controlplane", "--host", host, "--port", str(port)),
-            env, lambda: http_ok(f"{cp_url}/healthz"), port, cp_url))
+            env, lambda: http_ok(f"{cp_url}/healthz"), port, cp_url, before_start=make_db))
     if "dataplane" in run:
-        port = ports["dataplane"]
-        env = {"ADAFLASH_DATAPLANE__PORT": str(port), "ADAFLASH_DATAPLANE__NODE_ID": sc.node_id}
-        before = None
-        if cp_url:
-            env.update({"ADAFLASH_DATAPLANE__CONTROLPLANE_URL": cp_url,
-                        "ADAFLASH_DATAPLANE__CONTROLPLANE_TOKEN_FILE": str(node_token)})
-
-            def before(svc: Service, cp_url=cp_url) -> None:
-                ensure_node_key(cp_url, admin_token, node_token, sc.node_id)
-                # the node reads the key from the file; the variable (which wins) is set too,
-                # so a stale one inherited from the shell cannot shadow the fresh key
-                svc.env[settings.dataplane.controlplane_token_env] = read_file(node_token) or ""
-        services.append(Service(
-            "dataplane", _cli(config, "serve", "--host", host, "--port", str(port)), env,
-            lambda: http_ok(f"{node_url}/readyz"), port, node_url, before_start=before))
+        services += stack_parts.node_services(settings, config, host, ports["dataplane"], cp_url, admin_token,
+                                              taken, random_ports)
     if "learner" in run:
-        lenv, lbefore = {}, None
-        if cp_url:  # the learner acknowledges tenant deletions to the control plane
-            learner_token = home / LEARNER_TOKEN_FILE
-            lenv = {"ADAFLASH_LEARNER__CONTROLPLANE_URL": cp_url,
-                    "ADAFLASH_LEARNER__CONTROLPLANE_TOKEN_FILE": str(learner_token)}
-
-            def lbefore(svc: Service, cp_url=cp_url, learner_token=learner_token) -> None:
-                ensure_node_key(cp_url, admin_token, learner_token, settings.learner.learner_id, role="learner")
-        lenv.update(learner_override_env(settings))
-        services.append(Service("learner", _cli(config, "learner"), lenv, lambda: (True, "running"),
-                                before_start=lbefore))
+        services += stack_parts.learner_services(settings, config, cp_url, admin_token)
     for s in services:
         s.env = {**base_env, **s.env}
 
@@ -420,6 +410,11 @@ def plan_stack(settings: Settings, config: str | None = None, random_ports: bool
         "state_dir": str(home),
         "logs_dir": str(home / "logs"),
         "dataplane_url": node_url or None,
+        "dataplane_urls": [x.url for x in services if x.kind == "dataplane"],
+        "node_ids": stack_parts.instance_ids(sc.node_id, sc.nodes) if "dataplane" in run else [],
+        "learner_ids": stack_parts.learner_ids(settings) if "learner" in run else [],
+        "postgres_database": pg_name,
+        "postgres_admin_dsn": sc.postgres_admin_dsn if pg_name else None,
         "controlplane_url": cp_url or None,
         "controlplane_api": f"{cp_url}/api/v1" if cp_url else None,
         "kafka_bootstrap": bootstrap,
@@ -537,13 +532,14 @@ class Supervisor:
     # -- state
     def snapshot(self) -> dict:
         procs = {}
+        kinds = {s.kind for s in self.services}
+        for svc in self.services:
+            d = asdict(self.procs[svc.name])
+            for k in ("streak", "next_start", "unhealthy_since"):
+                d.pop(k)
+            procs[svc.name] = d
         for p in ALL_PARTS:
-            if p in self.procs:
-                d = asdict(self.procs[p])
-                for k in ("streak", "next_start", "unhealthy_since"):
-                    d.pop(k)
-                procs[p] = d
-            else:
+            if p not in kinds:
                 why = self.missing.get(p, "")
                 procs[p] = {"name": p, "state": "external" if why.startswith("external") else "missing",
                             "detail": why}
@@ -610,13 +606,13 @@ class Supervisor:
                 continue
             if p.state in ("pending", "restarting"):
                 due = p.next_start is None or now >= p.next_start
-                deps_ok = all(self.procs[d].state in ("ready", "unhealthy") for d in NEEDS[svc.name]
-                              if d in self.procs)
+                deps = [d.name for d in self.services if d.kind in NEEDS[svc.kind]]
+                deps_ok = all(self.procs[d].state in ("ready", "unhealthy") for d in deps)
                 if due and deps_ok:
                     self._start(svc, p)
                     changed = True
                 elif not deps_ok and p.state == "pending":
-                    waiting = [d for d in NEEDS[svc.name] if d in self.procs and self.procs[d].state != "ready"]
+                    waiting = [d for d in deps if self.procs[d].state != "ready"]
                     detail = f"waiting for {', '.join(waiting)}"
                     if p.detail != detail:
                         p.detail, changed = detail, True
@@ -710,7 +706,8 @@ class Supervisor:
                 p.state = "stopping"
         self._save()
         left: list[int] = []
-        for wave in STOP_WAVES:
+        for kinds in STOP_WAVES:
+            wave = [svc.name for svc in self.services if svc.kind in kinds]
             groups = [(self.procs[n].pid, self.procs[n].start_time) for n in wave
                       if n in self.procs and self.procs[n].pid]
             if groups:
@@ -796,6 +793,13 @@ def down(settings: Settings, timeout_s: float | None = None) -> dict:
             p["state"], p["pid"], p["start_time"] = "stopped", None, None
     state["phase"] = "stopped" if not left else "stopped-with-leftovers"
     state["updated_at"] = time.time()
+    ep = state.get("endpoints") or {}
+    if ep.get("postgres_database") and not left:  # this run's own database (stack.database: postgres)
+        try:
+            stack_parts.drop_database(ep["postgres_admin_dsn"], ep["postgres_database"])
+            ep["postgres_database"] = None
+        except Exception as e:  # noqa: BLE001 - reported; the database can be dropped by hand
+            state["database_drop_error"] = f"{type(e).__name__}: {e}"
     write_state(state_path(home), state)
     return {"stopped": sorted(pids), "leftover": left,
             "message": "stopped" if not left else f"processes still alive: {left}"}

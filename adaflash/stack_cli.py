@@ -25,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--only", default=None, metavar="PARTS",
                     help="comma-separated parts to run (broker,mlflow,controlplane,dataplane,learner)")
     up.add_argument("--without", default=None, metavar="PARTS", help="comma-separated parts to leave out")
+    up.add_argument("--nodes", type=int, default=None, help="serving nodes (default stack.nodes, 1)")
+    up.add_argument("--learners", type=int, default=None,
+                    help="learners in one consumer group (default stack.learners, 1)")
+    up.add_argument("--database", choices=["sqlite", "postgres"], default=None,
+                    help="control-plane database: sqlite (default) or a fresh PostgreSQL database for this run")
     up.add_argument("--timeout", type=float, default=None, help="--detach: seconds to wait for ready "
                                                                 "(default stack.ready_timeout_s)")
     up.add_argument("--json", action="store_true", help="--detach: print the status as JSON once ready")
@@ -128,6 +133,13 @@ def cmd_up(args, settings) -> int:
     from adaflash import stack
 
     parts = _parts(args, settings)
+    fleet = {k: v for k, v in (("nodes", args.nodes), ("learners", args.learners), ("database", args.database))
+             if v is not None}
+    if fleet:
+        try:
+            settings.stack = settings.stack.model_validate({**settings.stack.model_dump(), **fleet})
+        except ValueError as e:
+            raise stack.StackError(f"invalid --nodes / --learners / --database: {e}") from e
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 140)
@@ -141,6 +153,8 @@ def cmd_up(args, settings) -> int:
         if args.random_ports:
             extra.append("--random-ports")
         extra += ["--only", ",".join(parts)]
+        for k, v in fleet.items():
+            extra += [f"--{k}", str(v)]
         pid = stack.spawn_detached(settings, args.config, extra)
         timeout = args.timeout if args.timeout is not None else settings.stack.ready_timeout_s
         seen: dict[str, str] = {}

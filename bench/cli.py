@@ -57,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         reg_promotion(bsub)
     except ImportError:
         pass
+    try:
+        from bench.soak import register_bench as reg_soak
+
+        reg_soak(bsub)
+    except ImportError:
+        pass
 
 
 def throughput(args, settings) -> int:

@@ -127,8 +127,11 @@ def _purge_jsonl_window(settings: Settings, tenant_id: str) -> int:
 
 def purge_controlplane(session: Session, settings: Settings, req: DeletionRequest) -> dict[str, int]:
     """Purge the control plane's stores of the request's tenant; returns store -> count."""
+    from controlplane import eval_window
+
     return {"evaluation_reports": _redact_reports(session, settings, req.tenant_id),
-            "evaluation_window": _purge_jsonl_window(settings, req.tenant_id)}
+            "evaluation_window": _purge_jsonl_window(settings, req.tenant_id),
+            "evaluation_window_copy": eval_window.purge_tenant(session, req.tenant_id)}
 
 
 # -- requests, acknowledgements, completion ------------------------------------------------------------

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from adaflash.contracts import ALIAS_CHAMPION
-from controlplane import audit
+from controlplane import audit, canary_judge
 from controlplane.db import utcnow
 from controlplane.errors import NotFound
 from controlplane.lifecycle import alias
@@ -28,6 +28,7 @@ class Heartbeat:
     live_tau: float | None = None
     live_tps: float | None = None
     error_rate: float | None = None
+    live_load: float | None = None  # requests in flight (running + waiting)
     status: str = "ready"
     message: str | None = None
 
@@ -74,6 +75,8 @@ def heartbeat(session: Session, node_id: str, hb: Heartbeat, *, actor: str, now:
                             "status": hb.status, "message": hb.message}, at=now)
     node.url, node.served_version, node.last_heartbeat_at = hb.url, hb.served_version, now
     node.live_tau, node.live_tps, node.error_rate = hb.live_tau, hb.live_tps, hb.error_rate
+    node.live_load = hb.live_load
+    canary_judge.update_profile(node)
     node.status, node.status_message = hb.status, hb.message
     node.heartbeats = (node.heartbeats or 0) + 1
     session.flush()

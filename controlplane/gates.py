@@ -54,6 +54,10 @@ class RolloutPolicy(BaseModel):
     wait_for_stale_nodes: bool = False
     # After completion, live metrics are still judged this long; a regression rolls back.
     post_promotion_watch_s: float = Field(default=600.0, ge=0.0)
+    # Live TPS is compared only between loads this close (relative difference of requests in
+    # flight): canaries against baseline nodes, or a node against its own pre-promotion load
+    # profile (controlplane/canary_judge.py).
+    max_load_difference: float = Field(default=0.25, ge=0.0)
 
 
 class GatePolicy(BaseModel):

@@ -32,6 +32,7 @@ from controlplane.states import (
 )
 
 VERSION_LEN = 64
+ID_LEN = 256  # record and target ids kept in the evaluation window copy
 
 
 def _in(column: str, enum) -> str:
@@ -85,6 +86,9 @@ class Node(Base):
     live_tau: Mapped[float | None] = mapped_column(Float)
     live_tps: Mapped[float | None] = mapped_column(Float)
     error_rate: Mapped[float | None] = mapped_column(Float)
+    live_load: Mapped[float | None] = mapped_column(Float)  # requests in flight at the last heartbeat
+    # tau / TPS per load bucket while serving one version (controlplane/canary_judge.py)
+    load_profile: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(32), default="unknown")  # as the node reports it
     status_message: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -168,6 +172,9 @@ class Tenant(Base):
     opt_out: Mapped[bool] = mapped_column(Boolean)
     ttl_days: Mapped[float] = mapped_column(Float)
     share_cap: Mapped[float] = mapped_column(Float)
+    weight: Mapped[float | None] = mapped_column(Float)  # admission; NULL: the node's default
+    max_queued: Mapped[int | None] = mapped_column(Integer)
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -255,3 +262,18 @@ class AuditHead(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     seq: Mapped[int] = mapped_column(Integer)
     hash: Mapped[str] = mapped_column(String(64))
+
+
+class EvalWindowRecord(Base):
+    """A held-out feedback record the control plane read for shadow evaluation (its own copy,
+    controlplane/eval_window.py); expires at created_at + its tenant's ttl_days."""
+
+    __tablename__ = "eval_window_records"
+
+    record_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(128), index=True)
+    target_id: Mapped[str] = mapped_column(String(ID_LEN))
+    created_at: Mapped[datetime] = mapped_column(index=True)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+    stored_at: Mapped[datetime] = mapped_column()
+    body: Mapped[str] = mapped_column(Text)  # the FeedbackRecord as JSON (scrubbed at the node)

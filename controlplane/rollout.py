@@ -24,7 +24,10 @@ active promotion, takes its lease, and does what its state calls for:
 A live regression (tau or TPS below the baseline by more than the policy allows, or
 an error rate above max(max_live_error_rate, baseline)), a node refusing the
 candidate, or a step not converged within converge_timeout_s rolls the promotion back
-by itself. Only nodes with traffic (TPS > 0) and a heartbeat sent after they began
+by itself. The baseline is relative and load-aware (controlplane/canary_judge.py): the
+nodes still serving the outgoing version over the same window, under a similar load,
+else each node's own tau / TPS at the same load before the promotion; never a fixed
+TPS. Only nodes with traffic (TPS > 0) and a heartbeat sent after they began
 serving the candidate are judged. Nodes silent for heartbeat_timeout_s do not hold a
 step up unless the policy says wait_for_stale_nodes; their desired version is set all
 the same and they converge when they come back.
@@ -58,7 +61,7 @@ from adaflash import credentials
 from adaflash.config import Settings
 from adaflash.contracts import ALIAS_CHAMPION, ALIAS_PREVIOUS
 from adaflash.telemetry import CONTROLPLANE, SpanAttrs, Spans, tracer
-from controlplane import audit, discovery, fleet, lifecycle
+from controlplane import audit, canary_judge, discovery, fleet, lifecycle
 from controlplane.db import session_scope, utcnow
 from controlplane.errors import Conflict
 from controlplane.gates import EPS, GatePolicy, RolloutPolicy
@@ -277,7 +280,10 @@ class RolloutReconciler:
         alive = [n for n in nodes if self._alive(n, now)]
         base = live_metrics([n for n in alive if n.served_version == p.from_version or p.from_version is None])
         p.baseline = {"tau": base["tau"], "tps": base["tps"], "error_rate": base["error_rate"],
-                      "nodes": base["nodes"], "at": now.isoformat()}
+                      "nodes": base["nodes"], "at": now.isoformat(),
+                      # each node's tau / TPS per load before the promotion (controlplane/canary_judge.py)
+                      "profiles": {n.node_id: n.load_profile for n in alive if n.load_profile
+                                   and n.load_profile.get("version") == p.from_version}}
         if not nodes:
             lifecycle.begin_rollout(s, p, actor=SYSTEM_ROLLOUT, now=now)
             lifecycle.complete_promotion(s, p, actor=SYSTEM_ROLLOUT, now=now)
@@ -309,6 +315,14 @@ class RolloutReconciler:
         p.baseline = {**(p.baseline or {}), "watch_heartbeats": {n.node_id: n.heartbeats or 0 for n in serving}}
         return f"promotion {p.id}: canaries serve {p.version}; watching until {p.watch_until.isoformat()}"
 
+    def _regression(self, judged: list[Node], others: list[Node], baseline: dict | None) -> str | None:
+        """The error rate against the policy's ceiling; tau and TPS against the nodes still on
+        the outgoing version over the same window, else each node's own pre-promotion
+        baseline at the same load (controlplane/canary_judge.py)."""
+        err = judge({"error_rate": live_metrics(judged)["error_rate"]}, baseline, self.rp)
+        rel = canary_judge.judge_relative(judged, others, baseline, self.rp)
+        return "; ".join(x for x in (err, rel) if x) or None
+
     def _judged(self, nodes: list[Node], since: datetime, now: datetime) -> list[Node]:
         return [n for n in nodes if self._alive(n, now) and n.last_heartbeat_at is not None
                 and n.last_heartbeat_at > since]
@@ -321,7 +335,9 @@ class RolloutReconciler:
         if why:
             return self._roll_back(s, p, now, why)
         watched = [n for n in canaries if (n.heartbeats or 0) > start.get(n.node_id, 0) and self._alive(n, now)]
-        regression = judge(live_metrics(watched), p.baseline, self.rp)
+        others = [n for n in self._judged(self._nodes(s), p.updated_at, now)
+                  if n.node_id not in set(p.canary_nodes or []) and n.served_version == p.from_version]
+        regression = self._regression(watched, others, p.baseline)
         if regression:
             return self._roll_back(s, p, now, f"live regression on canaries: {regression}")
         enough = [n for n in watched if (n.heartbeats or 0) - start.get(n.node_id, 0) >= self.rp.min_watch_heartbeats]
@@ -340,7 +356,8 @@ class RolloutReconciler:
         if why:
             return self._roll_back(s, p, now, why)
         serving = [n for n in nodes if n.served_version == p.version]
-        regression = judge(live_metrics(self._judged(serving, p.updated_at, now)), p.baseline, self.rp)
+        others = [n for n in self._judged(nodes, p.updated_at, now) if n.served_version == p.from_version]
+        regression = self._regression(self._judged(serving, p.updated_at, now), others, p.baseline)
         if regression:
             return self._roll_back(s, p, now, f"live regression during rollout: {regression}")
         waiting = [n for n in nodes if self._blocking(n, now) and n.served_version != p.version]
@@ -375,7 +392,7 @@ class RolloutReconciler:
         if v is None or v.state != VersionState.champion.value or not lifecycle.alias(s, ALIAS_PREVIOUS):
             return None
         serving = [n for n in self._nodes(s) if n.served_version == last.version]
-        regression = judge(live_metrics(self._judged(serving, last.updated_at, now)), last.baseline, self.rp)
+        regression = self._regression(self._judged(serving, last.updated_at, now), [], last.baseline)
         if not regression:
             return None
         with _tracer.start_as_current_span(Spans.ROLLOUT) as span:

@@ -78,7 +78,7 @@ from adaflash.contracts.evaluation import (
 )
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord, is_evaluation_record
 from adaflash.telemetry import CONTROLPLANE, SpanAttrs, Spans, tracer
-from controlplane import deletion, lifecycle
+from controlplane import deletion, eval_window, lifecycle
 from controlplane.api.routes.evaluations import evaluations_dir
 from controlplane.db import session_scope, utcnow
 from controlplane.gates import GatePolicy
@@ -577,7 +577,8 @@ class ShadowEvaluator:
                  policy: GatePolicy, window: FeedbackWindow | None = None, *, target=None, tokenizer=None,
                  target_identity: dict | None = None, cost=None, retry_s: float = 60.0):
         self.settings, self.sessions, self.registry, self.policy = settings, sessions, registry, policy
-        self.window = window if window is not None else window_from_settings(settings)
+        self.window = window if window is not None else eval_window.persisted(window_from_settings(settings),
+                                                                             sessions, settings)
         self._target, self._tokenizer, self._identity = target, tokenizer, target_identity
         self.cost = cost
         self.retry_s = retry_s

@@ -21,7 +21,8 @@ def default_policy(tenant_id: str, gov: GovernanceConfig) -> TenantPolicy:
 
 def _policy(row: Tenant) -> TenantPolicy:
     return TenantPolicy(tenant_id=row.tenant_id, sampling_rate=row.sampling_rate, opt_out=row.opt_out,
-                        ttl_days=row.ttl_days, share_cap=row.share_cap)
+                        ttl_days=row.ttl_days, share_cap=row.share_cap, weight=row.weight,
+                        max_queued=row.max_queued, max_tokens=row.max_tokens)
 
 
 def get_policy(session: Session, tenant_id: str, gov: GovernanceConfig) -> TenantPolicy:
@@ -46,6 +47,7 @@ def put_policy(session: Session, policy: TenantPolicy, *, actor: str) -> TenantP
         session.add(row)
     row.sampling_rate, row.opt_out = policy.sampling_rate, policy.opt_out
     row.ttl_days, row.share_cap, row.updated_at = policy.ttl_days, policy.share_cap, now
+    row.weight, row.max_queued, row.max_tokens = policy.weight, policy.max_queued, policy.max_tokens
     audit.record(session, actor=actor, action="tenant.policy", target=f"tenant:{policy.tenant_id}",
                  tenant_id=policy.tenant_id, before=before, after=policy.model_dump(), at=now)
     return policy

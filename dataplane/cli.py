@@ -62,6 +62,7 @@ def serve(args, settings) -> int:
     tel = setup_telemetry(DATAPLANE, settings, resource_attributes={"adaflash.node_id": node.node_id})
     public = cfg.public_url or f"http://{cfg.host}:{cfg.port}"
     attach_feedback(node, settings)
+    node.engine.admission.policy = getattr(node.emitter, "policy", None)  # tenant weights and limits
     app = create_app(node, token)
     node.engine.start()
     rec = Reconciler.from_settings(node, public)

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from adaflash.config import DataplaneConfig
+from dataplane.admission import TenantAdmission
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
 from dataplane.grammar import GrammarState
@@ -48,7 +49,9 @@ class Engine:
         self.metrics.set_drafter(self.drafter_version)
         self.cost = CostModel()
         self.step_runner = SpecStep(target, cfg.mode, cfg.block_size, cfg.gamma, self.cost, cfg.breakeven)
-        self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta)
+        self.admission = TenantAdmission(cfg, self.metrics.registry, tps=lambda: self.metrics.live()["tps"])
+        self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta,
+                                   weight_of=self.admission.weight)
         self.on_finish: Callable[[Sequence], None] | None = None  # feedback hook, called off the hot path
         self._inbox: queue.Queue = queue.Queue()
         self._cancel: set[str] = set()
@@ -65,6 +68,8 @@ class Engine:
 
     # --- called from any thread ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue a request; raises ``TenantOverQuota`` when its tenant is over its limits."""
+        self.admission.acquire(seq)
         self._inbox.put(seq)
         self._wake.set()
 
@@ -91,6 +96,7 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
+            self._stop.clear()  # a stopped engine can start again
             self._thread = threading.Thread(target=self._loop, name="adaflash-engine", daemon=True)
             self._thread.start()
 
@@ -100,6 +106,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.admission.close()
 
     # --- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -117,8 +124,11 @@ class Engine:
         self._apply_cancellations()
         if not self.scheduler.waiting and not self.scheduler.running:
             return False
+        admitted: list[Sequence] = []
         try:
             admitted = self.scheduler.admit()
+            for s in admitted:
+                self.admission.on_admitted(s)
             if admitted:
                 self._prefill(admitted)
             running = [s for s in self.scheduler.running if s.status == Status.RUNNING]
@@ -129,8 +139,8 @@ class Engine:
             log.exception("engine step failed")
             self.metrics.errors.inc()
             self.last_error = f"{type(e).__name__}: {e}"
-            for s in list(self.scheduler.running):
-                self._finish(s, "error", error=self.last_error)
+            for s in list(self.scheduler.running) + [a for a in admitted if a.status != Status.FINISHED]:
+                self._finish(s, "error", error=self.last_error)  # a failed prefill's requests too
             self.scheduler.remove_finished()
         self._retire()
         self.metrics.queue_depth.set(self.scheduler.depth)
@@ -314,6 +324,7 @@ class Engine:
         s.finish_reason = s.finish_reason if (reason == "cancelled" and s.finish_reason) else reason
         s.error = error
         s.finished_at = time.monotonic()
+        self.admission.release(s)
         self.finished_count += 1
         self.error_count += reason == "error"
         self.metrics.requests.labels(tenant=s.tenant_id, finish_reason=s.finish_reason).inc()

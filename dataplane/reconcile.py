@@ -52,7 +52,8 @@ class Reconciler:
         st = self.node.live_status()
         status = "degraded" if self.node.last_load_error else "ready"
         body = {"served_version": st["version"], "url": self.public_url, "live_tau": st["tau"],
-                "live_tps": st["tps"], "error_rate": st["error_rate"], "status": status,
+                "live_tps": st["tps"], "error_rate": st["error_rate"],
+                "live_load": float(st.get("running", 0) + st.get("waiting", 0)), "status": status,
                 "message": (self.node.last_load_error or "")[:2000] or None}
         try:
             r = self.client.post(f"{self.base}/api/v1/nodes/{self.node.node_id}/heartbeat", json=body)

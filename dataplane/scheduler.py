@@ -5,27 +5,31 @@ until the step's token budget is spent; requests that overflow wait for the next
 (at the head of the line). N_hat, an exponential moving average of how many requests a
 step actually advanced (N_hat <- (1 - beta) N_hat + beta N), bounds how many requests
 are admitted into the running set, so admission follows what the engine can really
-advance rather than a fixed batch size.
+advance rather than a fixed batch size. Waiting requests are served fairly across tenants
+(``dataplane.admission.FairQueue``: weighted fair queuing), so one tenant's flood does not
+hold another tenant's requests behind it.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
+from dataplane.admission import FairQueue
 from dataplane.sequence import Sequence, Status
 
 
 class Scheduler:
     def __init__(self, max_running: int, max_verify_tokens: int, max_prefill_tokens: int,
-                 ema_beta: float = 0.2, admit_step: int = 8):
+                 ema_beta: float = 0.2, admit_step: int = 8, weight_of: Callable[[str], float] | None = None):
         self.max_running = max_running
         self.max_verify_tokens = max_verify_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.beta = ema_beta
         self.admit_step = admit_step
         self.n_hat = float(admit_step)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue(weight_of)
         self.running: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
@@ -41,7 +45,7 @@ class Scheduler:
         """Move waiting requests into the running set within the prefill token budget."""
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and len(self.running) + len(admitted) < self.admit_limit:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             n = len(seq.prompt_ids)
             if admitted and n > budget:
                 break
@@ -82,12 +86,12 @@ class Scheduler:
 
     def drop(self, pred) -> list[Sequence]:
         """Remove waiting and running requests matching ``pred`` (cancellation)."""
-        gone = [s for s in list(self.waiting) + list(self.running) if pred(s)]
-        if gone:
-            ids = {id(s) for s in gone}
-            self.waiting = deque(s for s in self.waiting if id(s) not in ids)
+        gone = self.waiting.remove_if(pred)
+        stopped = [s for s in self.running if pred(s)]
+        if stopped:
+            ids = {id(s) for s in stopped}
             self.running = deque(s for s in self.running if id(s) not in ids)
-        return gone
+        return gone + stopped
 
     @property
     def depth(self) -> int:

@@ -172,6 +172,14 @@ class TansuBroker:
             while time.monotonic() < deadline and _port_open(self.host, self.port):
                 time.sleep(0.05)
 
+    def kill(self) -> None:
+        """SIGKILL the broker (a crash: no grace period); ``start()`` brings it back on the same port."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+        self._terminate()
+
     def restart(self) -> TansuBroker:
         """Stop and start again on the same port. Memory storage: topics must be recreated."""
         self.stop()

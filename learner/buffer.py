@@ -67,6 +67,7 @@ class Item:
     offset: int
     arrived: float = field(default_factory=time.monotonic)
     traceparent: str | None = None  # the record's trace (Kafka header), linked from the train step
+    epoch: int = 0  # the broker incarnation it was read from (learner/resilience.py)
 
     @property
     def record(self) -> FeedbackRecord:
@@ -172,8 +173,16 @@ class ReplayBuffer:
         self.counts = Counter(i.record.tenant_id for i in self.items)
         return before[0] - len(self.items), before[1] - len(self.deferred)
 
-    def drop_partitions(self, partitions: set[int]) -> None:
-        """Forget records of partitions this learner no longer owns (another will re-read them)."""
-        self.items = [i for i in self.items if i.partition not in partitions]
-        self.deferred = deque(i for i in self.deferred if i.partition not in partitions)
+    def drop_partitions(self, partitions: set[int], epoch: int | None = None) -> list[Item]:
+        """Forget records of partitions this learner no longer owns (another will re-read them).
+
+        With ``epoch``, only records read in that epoch (older ones cannot be read again).
+        Returns the records forgotten."""
+        def gone(i: Item) -> bool:
+            return i.partition in partitions and (epoch is None or i.epoch == epoch)
+
+        dropped = [i for i in self.held() if gone(i)]
+        self.items = [i for i in self.items if not gone(i)]
+        self.deferred = deque(i for i in self.deferred if not gone(i))
         self.counts = Counter(i.record.tenant_id for i in self.items)
+        return dropped

@@ -17,10 +17,12 @@ de-duplicate on (source_partition, source_offset).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
-from kafka.errors import CommitFailedError
+from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from adaflash.config import KafkaConfig, LearnerConfig
@@ -50,17 +52,20 @@ class FeedbackConsumer:
         self.topic = kafka.feedback_topic
         self.dlq_topic = kafka.dlq_topic
         self.on_revoked = on_revoked
+        self.commit_timeout_ms = kafka.request_timeout_ms * 2
         self.consumer = KafkaConsumer(
             bootstrap_servers=kafka.bootstrap, group_id=kafka.consumer_group, client_id=client_id,
             enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=cfg.session_timeout_ms, heartbeat_interval_ms=max(500, cfg.session_timeout_ms // 3),
             # A training step holds the poll loop; heartbeats run on their own thread, so the
             # group keeps the learner while it trains. Allow long steps before it is evicted.
-            max_poll_interval_ms=1_800_000, max_poll_records=cfg.buffer_size)
+            max_poll_interval_ms=1_800_000, max_poll_records=cfg.buffer_size,
+            # fresh metadata within seconds, so a topic created again (broker restarted empty) is noticed
+            metadata_max_age_ms=cfg.metadata_max_age_ms)
         self.consumer.subscribe([self.topic], listener=_Rebalance(self))
         self.producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", retries=5,
                                       max_in_flight_requests_per_connection=1, client_id=client_id + "-dlq")
-        self._dlq_futures = []
+        self._dlq_pending: list[tuple[bytes | None, bytes, list, object]] = []  # (key, value, headers, future)
 
     def poll(self, timeout_ms: int) -> list:
         batches = self.consumer.poll(timeout_ms=timeout_ms)
@@ -80,15 +85,42 @@ class FeedbackConsumer:
                    ("source_topic", msg.topic.encode()), ("source_partition", str(msg.partition).encode()),
                    ("source_offset", str(msg.offset).encode())]
         headers += [(k, v) for k, v in (msg.headers or []) if k == HEADER_TRACEPARENT]
-        self._dlq_futures.append(self.producer.send(self.dlq_topic, key=msg.key, value=msg.value, headers=headers))
+        self._dlq_pending.append((msg.key, msg.value, headers, self._send_dlq(msg.key, msg.value, headers)))
         log.warning("record at %s/%s -> DLQ (%s: %s)", msg.partition, msg.offset, reason, detail[:200])
 
-    def flush_dlq(self, timeout_s: float = 30.0) -> None:
-        """Every DLQ message sent so far is acknowledged (acks=all) before offsets move past it."""
-        self.producer.flush(timeout=timeout_s)
-        for f in self._dlq_futures:
-            f.get(timeout=timeout_s)
-        self._dlq_futures = []
+    def _send_dlq(self, key, value, headers):
+        try:
+            return self.producer.send(self.dlq_topic, key=key, value=value, headers=headers)
+        except KafkaError as e:  # no metadata while the broker is away: sent again by flush_dlq
+            return e
+
+    def flush_dlq(self, timeout_s: float = 30.0, stop: threading.Event | None = None, retry_s: float = 1.0) -> None:
+        """Every DLQ message sent so far is acknowledged (acks=all) before offsets move past it.
+
+        A message the broker did not acknowledge (it went away) is sent again until it is;
+        raises KafkaError only when ``stop`` is set while waiting."""
+        while self._dlq_pending:
+            try:
+                self.producer.flush(timeout=timeout_s)
+            except KafkaError:
+                pass
+            failed = []
+            for key, value, headers, fut in self._dlq_pending:
+                try:
+                    if isinstance(fut, Exception):
+                        raise fut
+                    fut.get(timeout=timeout_s)
+                except KafkaError as e:
+                    failed.append((key, value, headers, e))
+            if not failed:
+                self._dlq_pending = []
+                return
+            if stop is not None and stop.is_set():
+                raise failed[0][3]
+            log.warning("%d DLQ messages not acknowledged (%s); sending them again", len(failed),
+                        type(failed[0][3]).__name__)
+            time.sleep(retry_s)
+            self._dlq_pending = [(k, v, h, self._send_dlq(k, v, h)) for k, v, h, _ in failed]
 
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit the group's offsets. A commit refused because a rebalance moved the
@@ -99,12 +131,20 @@ class FeedbackConsumer:
             return
         try:
             self.consumer.commit({TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1)
-                                  for p, o in offsets.items()})
+                                  for p, o in offsets.items()}, timeout_ms=self.commit_timeout_ms)
         except CommitFailedError as e:
             log.warning("offset commit refused after a rebalance: %s", e)
+        except KafkaError as e:  # broker away: the next checkpoint commits again
+            log.warning("offset commit failed (%s); committed with the next checkpoint", type(e).__name__)
+
+    def seek_to_start(self) -> None:
+        """Read every assigned partition again from offset 0 (a broker that came back empty)."""
+        for tp in self.consumer.assignment():
+            if tp.topic == self.topic:
+                self.consumer.seek(tp, 0)
 
     def close(self) -> None:
         try:
             self.producer.close(timeout=5)
         finally:
-            self.consumer.close(autocommit=False)
+            self.consumer.close(autocommit=False, timeout_ms=10_000)

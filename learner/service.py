@@ -143,25 +143,56 @@ class Learner:
         from learner.deletion import DeletionPoller
 
         self.deletions = DeletionPoller.from_settings(self)
+        from learner.resilience import BrokerWatch
+
+        self.epoch = 0  # bumped when the broker comes back empty (learner/resilience.py)
+        self.watch = BrokerWatch(self)
         # The consumer's rebalance callbacks run on the client's I/O thread; they take this
         # lock to touch the buffer.
         self._lock = threading.RLock()
 
     # --- Kafka ------------------------------------------------------------------------------------
     def connect(self) -> None:
-        from adaflash.contracts.topics import default_retention_ms, ensure_topics
+        """Create the topics and join the group, waiting for the broker as long as it takes."""
+        from kafka.errors import KafkaError
+
         from learner.consumer import FeedbackConsumer
+
+        while True:
+            try:
+                self.ensure_topics()
+                self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked)
+                return
+            except KafkaError as e:
+                if self.stop_event.wait(2.0):
+                    raise
+                log.warning("broker unavailable (%s); trying again", type(e).__name__)
+
+    def ensure_topics(self) -> None:
+        """Create missing topics with the default TTL; existing ones are left alone."""
+        from adaflash.contracts.topics import default_retention_ms, ensure_topics
 
         kc = self.settings.kafka
         ensure_topics(kc.bootstrap, kc, default_retention_ms(self.settings.governance), update_existing=False)
-        self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked)
 
     def _revoked(self, partitions: set[int]) -> None:
-        """Records of partitions we no longer own are forgotten: the next owner re-reads them."""
+        """Records of partitions we no longer own are forgotten: the next owner re-reads them
+        (they wait a while in case the broker restarted empty: then nobody can)."""
         with self._lock:
-            self.buffer.drop_partitions(partitions)
+            self.watch.revoked(self.buffer.drop_partitions(partitions, epoch=self.epoch))
             for p in partitions:
                 self.consumed_next.pop(p, None)
+
+    def on_broker_reset(self) -> None:
+        """The broker came back empty: a new epoch reads every partition from its start."""
+        with self._lock:
+            self.epoch += 1
+            self.consumed_next = {}
+            back = [self._count(self.buffer.offer(it)) for it in self.watch.take_limbo()]
+            self.counters["broker_resets"] += 1
+            self.consumer.seek_to_start()
+        log.warning("broker reset: epoch %d, %d held records kept, %d revoked ones taken back", self.epoch,
+                    len(self.buffer.held()), back.count("buffered") + back.count("deferred"))
 
     def handle(self, msg) -> str:
         """Route one consumed message; returns its outcome."""
@@ -186,7 +217,7 @@ class Learner:
         except Unusable as e:
             return self._dlq(msg, e.reason, e.detail)
         outcome = self.buffer.offer(Item(tok, msg.partition, msg.offset,
-                                         traceparent=traceparent_from_headers(msg.headers)))
+                                         traceparent=traceparent_from_headers(msg.headers), epoch=self.epoch))
         if outcome in ("expired", "opt_out"):
             self.done.append(Done(record.record_id, record.tenant_id, outcome, record.created_at.isoformat()))
             self.dirty = True
@@ -204,10 +235,11 @@ class Learner:
         return outcome
 
     def safe_offsets(self) -> dict[int, int]:
-        """Per partition, the next offset to resume from: nothing at or after a held record."""
+        """Per partition, the next offset to resume from: nothing at or after a held record
+        (of this epoch: a record read before the broker came back empty has no offset now)."""
         out = dict(self.consumed_next)
         for it in self.buffer.held():
-            if it.partition in out:
+            if it.partition in out and it.epoch == self.epoch:
                 out[it.partition] = min(out[it.partition], it.offset)
         return out
 
@@ -276,7 +308,7 @@ class Learner:
     def _checkpoint(self, step: int, done: list[Done], items: list[Item], metrics: dict,
                     new_weights: bool = True) -> None:
         if self.consumer is not None:
-            self.consumer.flush_dlq()
+            self.consumer.flush_dlq(stop=self.stop_event)  # waits for a broker that went away
         if new_weights:
             weights = self.store.write_weights(step, self.drafter, self.trainer.opt)
             _crash_point("after_weights", step)
@@ -345,12 +377,7 @@ class Learner:
             while not self.stop_event.is_set():
                 if self.deletions is not None:
                     self.deletions.maybe_tick()
-                msgs = []
-                if self.buffer.wants_more():
-                    self.consumer.resume()
-                    msgs = self.consumer.poll(self.cfg.poll_timeout_ms)
-                else:
-                    self.consumer.pause()
+                msgs = self._poll()
                 for m in msgs:
                     self.handle(m)
                 if msgs or not self.consumer.assigned():
@@ -369,6 +396,23 @@ class Learner:
         finally:
             self.close()
         return steps
+
+    def _poll(self) -> list:
+        """Fetch what the buffer has room for; a broker that is away or came back empty is
+        waited for and recovered from here (learner/resilience.py), never a reason to exit."""
+        from kafka.errors import KafkaError
+
+        try:
+            self.watch.tick()
+            if self.buffer.wants_more():
+                self.consumer.resume()
+                return self.consumer.poll(self.cfg.poll_timeout_ms)
+            self.consumer.pause()
+        except KafkaError as e:
+            self.counters["broker_errors"] += 1
+            log.warning("broker error (%s: %s); retrying", type(e).__name__, e)
+            self.stop_event.wait(1.0)
+        return []
 
     def close(self) -> None:
         if self.counters:

@@ -197,6 +197,10 @@ class TenantPolicyIn(Input):
     opt_out: Flag = False
     ttl_days: Number = Field(default=30.0, gt=0.0, le=36500.0)
     share_cap: Number = Field(default=0.5, gt=0.0, le=1.0)
+    # Serving admission on the nodes; null: the node's defaults (dataplane.tenant_*).
+    weight: Number | None = Field(default=None, gt=0.0, le=1000.0)
+    max_queued: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=1_000_000)
+    max_tokens: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=1_000_000_000)
 
 
 class DeletionIn(Input):

@@ -30,3 +30,7 @@ class TenantPolicy(BaseModel):
     opt_out: bool = False  # never emit feedback
     ttl_days: float = Field(default=30.0, gt=0.0)  # feedback retention everywhere
     share_cap: float = Field(default=0.5, gt=0.0, le=1.0)  # max share of one training buffer
+    # Serving admission (dataplane/admission.py); None: the node's dataplane.tenant_* defaults.
+    weight: float | None = Field(default=None, gt=0.0, le=1000.0)  # share of the node under contention
+    max_queued: int | None = Field(default=None, ge=0)  # requests waiting for admission (0: no limit)
+    max_tokens: int | None = Field(default=None, ge=0)  # prompt + max_tokens in flight (0: no limit)

@@ -61,6 +61,7 @@ class HeartbeatIn(Input):
     live_tau: Number | None = Field(default=None, ge=0.0)
     live_tps: Number | None = Field(default=None, ge=0.0)
     error_rate: Number | None = Field(default=None, ge=0.0, le=1.0)
+    live_load: Number | None = Field(default=None, ge=0.0, le=1e6)  # requests in flight
     status: Literal["ready", "loading", "degraded", "error"] = "ready"
     message: Annotated[str, Field(max_length=2000, pattern=PRINTABLE)] | None = None
 

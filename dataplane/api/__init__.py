@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from dataplane.admission import install_quota_errors
 from dataplane.api import admin, deps, errors, health, openai
 from dataplane.grammar import GrammarCompiler
 from dataplane.node import Node
@@ -23,6 +24,7 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
     app.state.grammars = GrammarCompiler(node.tokenizer, node.target.args.vocab_size)
     app.add_middleware(TracingMiddleware, node=node)
     errors.install(app, on_reject=lambda code: node.engine.metrics.rejected.labels(reason=code).inc())
+    install_quota_errors(app, node.engine.metrics)  # a tenant over its queue limit or token budget: 429
     for router in (openai.router, admin.router, health.router):
         app.include_router(router)
     _document_bodies(app)

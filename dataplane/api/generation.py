@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from dataplane.admission import TenantOverQuota
 from dataplane.node import Node
 from dataplane.sampling import CHOICE_STREAM, TokenLogprob, mix_seed
 from dataplane.sequence import SamplingParams, Sequence
@@ -79,9 +80,17 @@ class Generation:
         return [c.seq for c in self.choices]
 
     def start(self) -> None:
-        for c in self.choices:
-            attach(c.seq)
-            self.node.engine.add(c.seq)
+        """Queue every choice; if the tenant is over its quota part-way, withdraw those queued."""
+        added = []
+        try:
+            for c in self.choices:
+                attach(c.seq)
+                self.node.engine.add(c.seq)
+                added.append(c.seq)
+        except TenantOverQuota:
+            for seq in added:
+                self.node.engine.cancel(seq.request_id)
+            raise
 
     def cancel(self) -> None:
         for c in self.choices:

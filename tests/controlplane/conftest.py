@@ -28,11 +28,18 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+# Which database the control-plane tests run on when a test does not say: sqlite (default)
+# or postgres (ADAFLASH_TEST_DATABASE=postgres runs every one of them on PostgreSQL).
+TEST_DATABASE = os.environ.get("ADAFLASH_TEST_DATABASE", "sqlite").lower()
+
+
 @pytest.fixture
 def settings(request, tmp_path):
-    """SQLite under a fresh home; parametrize indirectly with "postgresql" for a throwaway database."""
-    if getattr(request, "param", "sqlite") == "postgresql":
-        url = request.getfixturevalue("pg_url")
+    """A fresh home and database: SQLite, or a PostgreSQL database cloned from this session's
+    migrated one (parametrize indirectly with "postgresql", or set ADAFLASH_TEST_DATABASE)."""
+    kind = getattr(request, "param", TEST_DATABASE)
+    if kind in ("postgresql", "postgres"):
+        url = request.getfixturevalue("pg_test_url")
         return load_config(home=tmp_path / "home", controlplane={"database_url": url})
     return load_config(home=tmp_path / "home")
 
@@ -91,6 +98,51 @@ def pg_url():
     finally:
         admin_conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin_conn.close()
+
+
+def _pg_admin():
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        return psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as e:
+        if os.environ.get("CI") or TEST_DATABASE in ("postgres", "postgresql"):
+            pytest.fail(f"PostgreSQL not reachable at {PG_ADMIN_DSN}: {e}")
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_DSN}: {e}")
+
+
+def _pg_url(name: str) -> str:
+    base = PG_ADMIN_DSN.rsplit("/", 1)[0]
+    return f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}"
+
+
+@pytest.fixture(scope="session")
+def pg_session_db():
+    """One uniquely named database per test session, migrated once, dropped at the end; each
+    test gets a copy of it (``pg_test_url``)."""
+    from controlplane.db import upgrade
+
+    conn = _pg_admin()
+    name = f"adaflash_session_{uuid.uuid4().hex[:12]}"
+    conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        upgrade(_pg_url(name))
+        yield name
+    finally:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.close()
+
+
+@pytest.fixture
+def pg_test_url(pg_session_db):
+    """A migrated PostgreSQL database of its own for one test (a copy of the session's)."""
+    conn = _pg_admin()
+    name = f"{pg_session_db}_{uuid.uuid4().hex[:8]}"
+    conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_session_db}"')
+    try:
+        yield _pg_url(name)
+    finally:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.close()
 
 
 @pytest.fixture(scope="session")

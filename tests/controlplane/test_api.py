@@ -177,11 +177,13 @@ def test_tenant_policies(client, admin, make_key):
     node = make_key("node")
     default = client.get("/api/v1/tenants/newco/policy", headers=node).json()
     assert default == {"tenant_id": "newco", "sampling_rate": 1.0, "opt_out": False, "ttl_days": 30.0,
-                       "share_cap": 0.5}
+                       "share_cap": 0.5, "weight": None, "max_queued": None, "max_tokens": None}
     r = client.put("/api/v1/tenants/newco/policy", headers=admin,
-                   json={"sampling_rate": 0.1, "opt_out": True, "ttl_days": 7, "share_cap": 0.2})
+                   json={"sampling_rate": 0.1, "opt_out": True, "ttl_days": 7, "share_cap": 0.2,
+                         "weight": 2.5, "max_queued": 16, "max_tokens": 4096})
     assert r.status_code == 200
-    assert client.get("/api/v1/tenants/newco/policy", headers=node).json()["opt_out"] is True
+    got = client.get("/api/v1/tenants/newco/policy", headers=node).json()
+    assert got["opt_out"] is True and (got["weight"], got["max_queued"], got["max_tokens"]) == (2.5, 16, 4096)
     entry = client.get("/api/v1/audit?action=tenant.policy", headers=admin).json()[-1]
     assert entry["tenant_id"] == "newco" and entry["before"] is None and entry["after"]["sampling_rate"] == 0.1
     r = client.put("/api/v1/tenants/newco/policy", headers=admin, json={"sampling_rate": 2})

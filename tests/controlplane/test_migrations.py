@@ -13,7 +13,7 @@ from controlplane.models import Base
 from governance.audit import GENESIS
 
 TABLES = {"nodes", "versions", "aliases", "evaluations", "gate_results", "promotions", "approvals", "tenants",
-          "api_keys", "deletion_requests", "deletion_acks", "audit_log", "audit_head"}
+          "api_keys", "deletion_requests", "deletion_acks", "audit_log", "audit_head", "eval_window_records"}
 
 
 def _check(url: str) -> None:

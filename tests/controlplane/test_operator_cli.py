@@ -84,7 +84,8 @@ def test_tenant_policy_audit_and_deletion(flow, capsys, monkeypatch):
     rc, out, _ = cli(capsys, monkeypatch, st, "admin", "tenants", "policy", "acme", "--sampling-rate", "0.25",
                      "--opt-out", "--json")
     assert rc == 0 and json.loads(out) == {"tenant_id": "acme", "sampling_rate": 0.25, "opt_out": True,
-                                           "ttl_days": 30.0, "share_cap": 0.5}
+                                           "ttl_days": 30.0, "share_cap": 0.5, "weight": None,
+                                           "max_queued": None, "max_tokens": None}
     rc, _, err = cli(capsys, monkeypatch, st, "viewer", "tenants", "policy", "acme", "--opt-in")
     assert rc == 3 and "HTTP 403" in err
     rc, out, _ = cli(capsys, monkeypatch, st, "viewer", "tenants", "list")

@@ -235,7 +235,8 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
     assert req["state"] == "running" and req["scope"] == "tenant" and req["provisional"]
     assert sorted(req["waiting_for"]) == ["learner:learner-0", "node:node-1"]
     cp_ack = next(c for c in req["components"] if c["component"] == "controlplane")
-    assert cp_ack["state"] == "acked" and cp_ack["purged"] == {"evaluation_reports": 1, "evaluation_window": 2}
+    assert cp_ack["state"] == "acked" and cp_ack["purged"] == {"evaluation_reports": 1, "evaluation_window": 2,
+                                                           "evaluation_window_copy": 0}
     # a node sees only its own work; an auditor of the other tenant sees nothing of it
     work = httpx.get(f"{cp.url}/api/v1/deletion-requests", params={"instance": "node-1"},
                      headers={"Authorization": f"Bearer {node_key}"})

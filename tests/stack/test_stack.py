@@ -183,3 +183,45 @@ def test_down_leaves_no_process(stack):
     assert all(p["state"] in ("stopped", "missing") for p in st["processes"].values())
     # down again is harmless
     adaflash(env, "down")
+
+
+def test_plan_of_two_nodes_and_two_learners_on_postgres(tmp_path, monkeypatch):
+    """Every instance gets its own port, id, key file, spool, checkpoint directory; the
+    learners share one consumer group; the control plane waits for both learners' deletion
+    acknowledgements and runs on this run's own PostgreSQL database."""
+    monkeypatch.setenv("ADAFLASH_HOME", str(tmp_path))
+    settings = load_config(stack={"nodes": 2, "learners": 2, "database": "postgres"})
+    services, _, endpoints = plan_stack(settings, random_ports=True)
+    names = [s.name for s in services]
+    assert names == ["broker", "mlflow", "controlplane", "dataplane", "dataplane-2", "learner", "learner-2"]
+    nodes = [s for s in services if s.kind == "dataplane"]
+    assert [s.env["ADAFLASH_DATAPLANE__NODE_ID"] for s in nodes] == ["node-1", "node-2"] == endpoints["node_ids"]
+    assert len({s.port for s in services if s.port}) == len([s for s in services if s.port])
+    assert endpoints["dataplane_urls"] == [s.url for s in nodes]
+    assert len({s.env["ADAFLASH_DATAPLANE__CONTROLPLANE_TOKEN_FILE"] for s in nodes}) == 2
+    assert nodes[1].env["ADAFLASH_GOVERNANCE__SPOOL_PATH"].endswith("spool-node-2.db")
+    learners = [s for s in services if s.kind == "learner"]
+    assert learners[1].env["ADAFLASH_LEARNER__LEARNER_ID"] == "learner-2"
+    assert learners[1].env["ADAFLASH_LEARNER__STATE_DIR"] != str(tmp_path / "learner")
+    assert not any("CONSUMER_GROUP" in k for s in learners for k in s.env)  # one group: the configured one
+    cp = next(s for s in services if s.name == "controlplane")
+    assert json.loads(cp.env["ADAFLASH_CONTROLPLANE__DELETION_LEARNERS"]) == ["learner", "learner-2"]
+    name = endpoints["postgres_database"]
+    assert name and cp.env["ADAFLASH_CONTROLPLANE__DATABASE_URL"].endswith("/" + name)
+    assert endpoints["database_url"] == cp.env["ADAFLASH_CONTROLPLANE__DATABASE_URL"]
+
+
+def test_stack_postgres_database_is_created_once_and_dropped(tmp_path):
+    from adaflash import stack_parts
+    from controlplane.db import upgrade
+
+    dsn = load_config().stack.postgres_admin_dsn
+    name = stack_parts.new_database_name()
+    try:
+        assert stack_parts.create_database(dsn, name) is True
+        assert stack_parts.create_database(dsn, name) is False  # a restarted control plane keeps it
+        upgrade(stack_parts.database_url(dsn, name))
+    finally:
+        stack_parts.drop_database(dsn, name)
+    assert stack_parts.create_database(dsn, name) is True  # it was gone
+    stack_parts.drop_database(dsn, name)

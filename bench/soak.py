@@ -1,0 +1,219 @@
+"""``adaflash bench soak``: the fleet under mixed traffic while faults are injected.
+
+    adaflash bench soak --minutes 2 --concurrency 4 --tenants 3 \\
+        --faults broker,learner,controlplane,node,scrubber,rollback --out out/soak
+
+Starts its own stack under OUT/home (``adaflash up --nodes 2 --learners 2``), gives the
+flooding tenant a small queue limit, runs the traffic of ``bench/soak_traffic.py`` for
+``--minutes`` while ``bench/soak_faults.py`` injects the faults evenly spread over the run,
+stops the stack and checks invariants. Writes result.json (with ``invariants``: each
+``held`` and its counts) and timeline.png to OUT, prints the JSON, and exits non-zero
+when an invariant failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.soak_faults import FAULTS, Injector
+from bench.soak_traffic import FLOOD_TENANT, Traffic, is_json_error, load_prompts
+
+FLOOD_MAX_QUEUED = 2
+FLOOD_MAX_TOKENS = 100
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+
+
+def start_stack(settings, nodes: int, learners: int, database: str, timeout_s: float) -> dict:
+    from adaflash import stack
+
+    extra = ["--random-ports", "--only", ",".join(stack.ALL_PARTS), "--nodes", str(nodes),
+             "--learners", str(learners), "--database", database]
+    pid = stack.spawn_detached(settings, None, extra)
+    try:
+        return stack.wait_ready(settings, pid, timeout_s)
+    except stack.StackError:
+        stack.down(settings)
+        raise
+
+
+def _corrupted(inj: Injector, settings, wait_s: float = 60.0) -> dict | None:
+    """The corrupted candidates' fate, waiting a while for the control plane to judge them."""
+    if not inj.corrupted:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            out = inj.corrupted_outcome()
+        except Exception as e:  # noqa: BLE001 - reported as not held
+            out = {v: {"state": f"unknown ({type(e).__name__})", "served_by": []} for v in inj.corrupted}
+        if all(o["state"] in REFUSED for o in out.values()) or time.monotonic() > deadline:
+            return out
+        time.sleep(2.0)
+
+
+REFUSED = ("rejected", "gate_failed")
+
+
+def invariants(events: list[dict], faults: list[dict], home: Path, slo_ttft_s: float, left: list[int],
+               learner_dirs: list[Path], final_states: dict, corrupted: dict | None = None) -> dict:
+    fair = [e for e in events if e["tenant"] != FLOOD_TENANT and e["kind"] != "malformed"]
+    failed = [e for e in fair if e["status"] != 200]
+    malformed = [e for e in events if e["kind"] == "malformed"]
+    bad_malformed = [e for e in malformed if not (400 <= e["status"] < 500 and is_json_error(e))]
+    flood = [e for e in events if e["tenant"] == FLOOD_TENANT]
+    ttft = [e["ttft_s"] for e in fair if e["ttft_s"] is not None]
+    p99 = _pct(ttft, 0.99)
+    ledgers, dup, cross = {}, 0, 0
+    for d in learner_dirs:
+        ids = _ledger(d / "state.db")
+        ledgers[d.name] = len(ids)
+        dup += len(ids) - len(set(ids))
+    sets = [set(_ledger(d / "state.db")) for d in learner_dirs]
+    for i in range(len(sets)):
+        for j in range(i + 1, len(sets)):
+            cross += len(sets[i] & sets[j])
+    killed = [f for f in faults if f["ok"] and f["name"] in ("broker", "learner", "controlplane", "node")]
+    return {
+        "well_formed_requests_served": {"held": not failed and bool(fair), "requests": len(fair),
+                                        "failed_after_retry": len(failed),
+                                        "retried": sum(e["retried"] for e in fair),
+                                        "errors": sorted({str(e["error"]) for e in failed})[:10]},
+        "malformed_get_4xx_json": {"held": not bad_malformed, "requests": len(malformed),
+                                   "not_4xx_json": len(bad_malformed)},
+        "flood_is_isolated": {"held": bool(flood) and any(e["status"] == 429 for e in flood)
+                              and p99 is not None and p99 <= slo_ttft_s,
+                              "flood_requests": len(flood), "flood_429": sum(e["status"] == 429 for e in flood),
+                              "others_ttft_p99_s": p99, "slo_ttft_s": slo_ttft_s},
+        "killed_parts_recovered": {"held": all(f["recovered_s"] is not None for f in killed)
+                                   and all(s == "ready" for s in final_states.values()),
+                                   "killed": len(killed),
+                                   "recovered_s": {f["name"]: f["recovered_s"] for f in killed},
+                                   "final_states": final_states},
+        "no_record_trained_twice": {"held": dup == 0 and cross == 0, "ledgers": ledgers,
+                                    "duplicates_within": dup, "shared_between_learners": cross},
+        "no_process_left": {"held": not left, "left": left},
+    } | ({} if corrupted is None else {"corrupted_candidate_refused": {
+        "held": all(o["state"] in REFUSED and not o["served_by"] for o in corrupted.values()),
+        "versions": corrupted}})
+
+
+def _ledger(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return [r for (r,) in db.execute("SELECT record_id FROM trained")]
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        db.close()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5))
+    colours = {"ok": "tab:green", "429": "tab:orange", "4xx": "tab:blue", "error": "tab:red"}
+    for label, pick in (("ok", lambda e: e["status"] == 200), ("429", lambda e: e["status"] == 429),
+                        ("4xx", lambda e: 400 <= e["status"] < 500 and e["status"] != 429),
+                        ("error", lambda e: e["status"] == 0 or e["status"] >= 500)):
+        es = [e for e in result["events"] if pick(e)]
+        ax.scatter([e["t"] for e in es], [e["latency_s"] for e in es], s=8, c=colours[label], label=label)
+    for f in result["faults"]:
+        ax.axvline(f["t"], color="grey", ls="--", lw=0.8)
+        ax.text(f["t"], ax.get_ylim()[1] * 0.95, f["name"], rotation=90, fontsize=8, va="top")
+    ax.set_xlabel("seconds since the soak began")
+    ax.set_ylabel("request latency (s)")
+    held = sum(v["held"] for v in result["invariants"].values())
+    ax.set_title(f"soak: {len(result['events'])} requests, {len(result['faults'])} faults, "
+                 f"{held}/{len(result['invariants'])} invariants held")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[str], out: Path,
+        slo_ttft_s: float = 30.0, database: str = "sqlite", ready_timeout_s: float = 900.0) -> dict:
+    from adaflash import stack
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = start_stack(settings, 2, 2, database, ready_timeout_s)
+    ep = state["endpoints"]
+    admin = Path(ep["admin_token_file"]).read_text().strip()
+    # the flooding tenant may hold two requests in flight (prompt + max_tokens ~ 45 tokens each)
+    httpx.put(f"{ep['controlplane_api']}/tenants/{FLOOD_TENANT}/policy", headers={"Authorization": f"Bearer {admin}"},
+              json={"max_queued": FLOOD_MAX_QUEUED, "max_tokens": FLOOD_MAX_TOKENS}, timeout=10).raise_for_status()
+    traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts())
+    inj = Injector(settings, traffic.now, admin)
+    duration = minutes * 60.0
+    traffic.start()
+    try:
+        for i, name in enumerate(faults):
+            at = (i + 1) * duration / (len(faults) + 1)
+            time.sleep(max(0.0, at - traffic.now()))
+            inj.inject(name)
+        time.sleep(max(0.0, duration - traffic.now()))
+    finally:
+        traffic.stop()
+        inj.wait(timeout_s=120)
+        final = {n: p.get("state") for n, p in stack.live_status(settings).get("processes", {}).items()
+                 if p.get("state") not in ("missing", "external")}
+        corrupted = _corrupted(inj, settings)
+        res = stack.down(settings)
+    home = Path(ep["state_dir"])
+    events, fault_rows = traffic.summary(), inj.records()
+    result = {"minutes": minutes, "concurrency": concurrency, "tenants": tenants, "faults_requested": faults,
+              "database": database, "endpoints": {k: ep.get(k) for k in ("dataplane_urls", "node_ids",
+                                                                          "learner_ids", "database_url")},
+              "faults": fault_rows,
+              "invariants": invariants(events, fault_rows, home, slo_ttft_s, res["leftover"],
+                                       [home / "learner", home / "learner-2"], final, corrupted),
+              "events": events}
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    plot(result, out / "timeline.png")
+    return result
+
+
+def register_bench(bsub: argparse._SubParsersAction) -> None:
+    s = bsub.add_parser("soak", help="the fleet under mixed traffic and injected faults (invariants, timeline)")
+    s.add_argument("--minutes", type=float, default=2.0)
+    s.add_argument("--concurrency", type=int, default=4)
+    s.add_argument("--tenants", type=int, default=3)
+    s.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, from {', '.join(FAULTS)}")
+    s.add_argument("--slo-ttft-s", type=float, default=30.0, help="TTFT p99 the non-flooding tenants must keep")
+    s.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    s.add_argument("--out", default="out/soak")
+    s.set_defaults(func=_cli)
+
+
+def _cli(args, settings) -> int:
+    from adaflash.cli import CliError
+    from adaflash.config import load_config
+
+    faults = [f for f in args.faults.split(",") if f]
+    bad = [f for f in faults if f not in FAULTS]
+    if bad:
+        raise CliError(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)}")
+    if args.minutes <= 0 or args.concurrency < 1 or args.tenants < 1:
+        raise CliError("--minutes, --concurrency and --tenants must be positive")
+    out = Path(args.out).resolve()
+    settings = load_config(args.config, home=out / "home")
+    result = run(settings, args.minutes, args.concurrency, args.tenants, faults, out, args.slo_ttft_s,
+                 args.database)
+    summary = {k: v for k, v in result.items() if k != "events"}
+    print(json.dumps(summary, indent=2, default=str))
+    return 0 if all(v["held"] for v in result["invariants"].values()) else 1

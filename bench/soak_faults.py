@@ -1,0 +1,203 @@
+"""Faults the soak bench injects into a running stack, on a schedule.
+
+- broker, learner, controlplane, node: SIGKILL of the part's process group (``node`` is
+  the second node); the stack's supervisor restarts it (the broker comes back empty).
+- scrubber: the first node's PII scrubber child is stopped (SIGSTOP) for ``hang_s``,
+  then continued: scrubbing times out, records are dropped and counted, serving goes on.
+- corrupt: a candidate drafter whose weights do not match its manifest is registered in
+  MLflow (as the learner registers one); it must be refused and never served.
+- rollback: an operator rollback of the champion (one admin API call), when there is a
+  previous champion to go back to; recorded as skipped otherwise.
+
+Each fault is a record: what, when, and how long until the part was ready again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+FAULTS = ("corrupt", "broker", "learner", "controlplane", "node", "scrubber", "rollback")
+PART_OF = {"broker": "broker", "learner": "learner", "controlplane": "controlplane", "node": "dataplane-2"}
+
+
+@dataclass
+class Fault:
+    name: str
+    t: float
+    ok: bool = False  # injected
+    detail: str = ""
+    recovered_s: float | None = None  # the part ready again after this long
+
+
+class Injector:
+    def __init__(self, settings, now, admin_token: str, hang_s: float = 10.0):
+        self.settings, self.now, self.hang_s = settings, now, hang_s
+        self.admin = admin_token
+        self.faults: list[Fault] = []
+        self.corrupted: list[str] = []  # versions registered with corrupted weights
+        self._threads: list[threading.Thread] = []
+
+    def _state(self) -> dict:
+        from adaflash.stack import live_status
+
+        return live_status(self.settings)
+
+    def inject(self, name: str) -> Fault:
+        f = Fault(name, self.now())
+        try:
+            if name in PART_OF:
+                self._kill(f, PART_OF[name])
+            elif name == "scrubber":
+                self._hang_scrubber(f)
+            elif name == "rollback":
+                self._rollback(f)
+            elif name == "corrupt":
+                self._corrupt_candidate(f)
+            else:
+                f.detail = f"unknown fault {name!r}"
+        except Exception as e:  # noqa: BLE001 - a fault that could not be injected is reported
+            f.detail = f"{type(e).__name__}: {e}"
+        self.faults.append(f)
+        return f
+
+    def _kill(self, f: Fault, part: str) -> None:
+        procs = self._state().get("processes", {})
+        p = procs.get(part) or {}
+        if not p.get("pid"):
+            f.detail = f"{part} has no process"
+            return
+        before = p.get("restarts", 0)
+        os.killpg(p["pid"], signal.SIGKILL)
+        f.ok, f.detail = True, f"SIGKILL {part} pid {p['pid']}"
+        t = threading.Thread(target=self._await_ready, args=(f, part, before), daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _await_ready(self, f: Fault, part: str, restarts_before: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = self._state().get("processes", {}).get(part) or {}
+            if p.get("restarts", 0) > restarts_before and p.get("state") == "ready":
+                f.recovered_s = self.now() - f.t
+                return
+            time.sleep(0.5)
+
+    def _hang_scrubber(self, f: Fault) -> None:
+        node = self._state().get("processes", {}).get("dataplane") or {}
+        kids = _children(node.get("pid"))
+        scrub = [pid for pid in kids if b"spawn_main" in _cmdline(pid)]
+        if not scrub:
+            f.detail = "no scrubber process found (feedback off?)"
+            return
+        for pid in scrub:
+            os.kill(pid, signal.SIGSTOP)
+        f.ok, f.detail = True, f"SIGSTOP scrubber pid {scrub} for {self.hang_s:g}s"
+
+        def resume():
+            time.sleep(self.hang_s)
+            for pid in scrub:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            f.recovered_s = self.now() - f.t
+
+        t = threading.Thread(target=resume, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _rollback(self, f: Fault) -> None:
+        ep = self._state().get("endpoints", {})
+        api, hdr = ep["controlplane_api"], {"Authorization": f"Bearer {self.admin}"}
+        versions = httpx.get(f"{api}/versions", headers=hdr, timeout=10).json()
+        champ = next((v["version"] for v in versions if "champion" in (v.get("aliases") or [])), None)
+        prev = next((v["version"] for v in versions if "previous" in (v.get("aliases") or [])), None)
+        if champ is None or prev is None:
+            f.detail = f"skipped: champion {champ}, no previous champion to roll back to"
+            return
+        r = httpx.post(f"{api}/versions/{champ}/rollback", headers=hdr, json={"reason": "soak: operator rollback"},
+                       timeout=30)
+        f.ok, f.detail = r.status_code < 300, f"rollback of {champ}: HTTP {r.status_code}"
+
+    def _corrupt_candidate(self, f: Fault) -> None:
+        import hashlib
+        import shutil
+        import tempfile
+
+        from adaflash.contracts import DRAFTER_ARTIFACT_DIR
+        from adaflash.contracts.registry import TAG_MANIFEST_SHA256, TAG_STATE
+        from dataplane.node import STARTER_DIR
+        from dataplane.target_cache import ensure_target, target_identity
+        from learner.publish import STATE_CANDIDATE, Publisher
+
+        ep = self._state().get("endpoints", {})
+        pub = Publisher(ep["mlflow_tracking_uri"], target_identity(ensure_target(self.settings)))
+        exp = pub._experiment()
+        pub._registered_model()
+        with tempfile.TemporaryDirectory(prefix="soak-corrupt-") as tmp:
+            bundle = Path(tmp) / DRAFTER_ARTIFACT_DIR
+            shutil.copytree(STARTER_DIR, bundle)
+            weights = bundle / "model.safetensors"
+            data = bytearray(weights.read_bytes())
+            mid = len(data) // 2
+            data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])  # the manifest's digest no longer fits
+            weights.write_bytes(bytes(data))
+            digest = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
+            run = pub.client.create_run(exp, run_name="soak-corrupted", tags={"adaflash.kind": "candidate"})
+            pub.client.log_artifacts(run.info.run_id, str(bundle), artifact_path=DRAFTER_ARTIFACT_DIR)
+            pub.client.set_terminated(run.info.run_id)
+        mv = pub.client.create_model_version(pub.model_name, source=f"{run.info.artifact_uri}/{DRAFTER_ARTIFACT_DIR}",
+                                             run_id=run.info.run_id,
+                                             tags={TAG_STATE: STATE_CANDIDATE, TAG_MANIFEST_SHA256: digest})
+        self.corrupted.append(str(mv.version))
+        f.ok, f.detail = True, f"registered version {mv.version} with corrupted weights"
+
+    def corrupted_outcome(self) -> dict:
+        """Where each corrupted version ended up, and whether any node ever said it served it."""
+        ep = self._state().get("endpoints", {})
+        api, hdr = ep["controlplane_api"], {"Authorization": f"Bearer {self.admin}"}
+        out = {}
+        served = httpx.get(f"{api}/audit", params={"action": "node.served_version", "limit": 500}, headers=hdr,
+                           timeout=10).json()
+        for v in self.corrupted:
+            r = httpx.get(f"{api}/versions/{v}", headers=hdr, timeout=10)
+            state = r.json().get("state") if r.status_code == 200 else f"HTTP {r.status_code}"
+            ever = [e["target"] for e in served if (e.get("after") or {}).get("served_version") == v]
+            out[v] = {"state": state, "served_by": ever}
+        return out
+
+    def wait(self, timeout_s: float = 120.0) -> None:
+        for t in self._threads:
+            t.join(timeout=timeout_s)
+
+    def records(self) -> list[dict]:
+        return [asdict(f) for f in self.faults]
+
+
+def _children(pid: int | None) -> list[int]:
+    if not pid:
+        return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
