@@ -24,7 +24,8 @@ async def readyz(node: Node = Depends(deps.node)):
     drafter_ok = engine.mode == "ar" or engine.drafter is not None
     ready = alive and drafter_ok
     body = {"ready": ready, "model": node.identity["id"], "drafter_version": engine.drafter_version,
-            "mode": engine.mode, "engine_alive": alive}
+            "mode": engine.mode, "engine_alive": alive,
+            "dtype": str(node.target.lm_head.weight.dtype).removeprefix("torch.")}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

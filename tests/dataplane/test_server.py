@@ -80,10 +80,11 @@ def test_bad_tenant_and_unknown_route(server):
     assert httpx.get(f"{server.url}/nope").status_code == 404
 
 
-def test_health_ready_metrics(server):
+def test_health_ready_metrics(server, tiny_node):
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{server.url}/readyz")
     assert ready.status_code == 200 and ready.json()["drafter_version"] == "v1"
+    assert ready.json()["dtype"] == str(tiny_node.target.lm_head.weight.dtype).removeprefix("torch.")
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("adaflash_tps", "adaflash_tau", "adaflash_k_hat", "adaflash_position_verified",
                  "adaflash_queue_depth", 'adaflash_drafter_info{version="v1"}'):
