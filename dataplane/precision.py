@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,16 +88,29 @@ def probe_ms(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     alike, and each keeps its fastest round: a decision taken beside other load (a build,
     a test run) must not differ from one taken on a quiet machine.
     """
-    setups = {dt: _probe_layers(dt) for dt in dtypes}
-    best = {dt: float("inf") for dt in dtypes}
-    for r in range(repeats + 2):
-        for dt, (lins, xs) in setups.items():
-            t0 = time.perf_counter()
-            for lin in lins:
-                lin(xs[lin.weight.shape[1]])
-            if r >= 2:  # the first rounds pay for oneDNN's kernel generation
-                best[dt] = min(best[dt], time.perf_counter() - t0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: threads meeting at barriers on a busy machine would decide instead
+    try:
+        setups = {dt: _probe_layers(dt) for dt in dtypes}
+        best = {dt: float("inf") for dt in dtypes}
+        for r in range(repeats + 2):
+            for dt, (lins, xs) in setups.items():
+                t0 = time.perf_counter()
+                for lin in lins:
+                    lin(xs[lin.weight.shape[1]])
+                if r >= 2:  # the first rounds pay for oneDNN's kernel generation
+                    best[dt] = min(best[dt], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return {str(dt).removeprefix("torch."): 1e3 * t for dt, t in best.items()}
+
+
+def machine_busy() -> bool:
+    """More runnable work than cores (1-minute load average): a probe now is not kept."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def probe(flags: list[str] | None = None) -> PrecisionChoice:
@@ -134,7 +148,8 @@ def choose(setting: str, device: str | torch.device = "cpu", cache_dir: Path | N
     choice = probe()
     log.info("served precision: %s (%s)", choice.dtype, choice.reason)
     ratio = choice.probe_ms["bfloat16"] / choice.probe_ms["float32"] if choice.probe_ms else None
-    if path is not None and not (ratio is not None and UNDECIDED[0] < ratio < UNDECIDED[1]):
+    undecided = ratio is not None and (UNDECIDED[0] < ratio < UNDECIDED[1] or machine_busy())
+    if path is not None and not undecided:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(choice)))
     return choice
