@@ -117,3 +117,26 @@ def test_admin_requires_token_and_refuses_bad_weights(server, tiny_node, tmp_pat
     assert done.json()["usage"]["speculative"]["drafter_version"] == "v2"
     r = httpx.post(f"{server.url}/admin/drafter", json={"version": "x"}, headers=auth)
     assert r.status_code == 400
+
+
+def test_admin_load_errors_are_json_and_keep_serving(server, tiny_node):
+    """A URI naming a directory that is no bundle is refused (409); one whose server cannot
+    be reached, or answers without a bundle, is a failed fetch (502); all name the cause."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"]
+    cases = [
+        ("file:///etc", 409, "drafter_refused", "no manifest.json"),
+        ("http://127.0.0.1:1/drafter", 502, "drafter_fetch_failed", "unreachable"),
+        (f"{server.url}/no/such/bundle", 502, "drafter_fetch_failed", "serves no MLflow artifact directory"),
+    ]
+    for uri, status, code, fragment in cases:
+        r = httpx.post(f"{server.url}/admin/drafter", json={"version": "x", "uri": uri}, headers=auth, timeout=60)
+        assert r.status_code == status, (uri, r.text)
+        err = r.json()["error"]
+        assert err["code"] == code and err["param"] == "uri" and fragment in err["message"], (uri, err)
+        assert "not enough values" not in err["message"]
+        assert f"still serving {before}" in err["message"]
+    info = httpx.get(f"{server.url}/admin/drafter", headers=auth).json()
+    assert info["version"] == before and "cannot fetch" in info["last_load_error"]
+    done = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert done.status_code == 200
