@@ -113,6 +113,20 @@ def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -
     return torch.rand(n, generator=generator, device=generator.device).to(device)
 
 
+def request_uniforms(lengths: list[int], generators: list[torch.Generator | None],
+                     device: torch.device) -> torch.Tensor:
+    """The [T + B] uniforms of a stream whose request b draws from its own generator.
+
+    Request b verifying lengths[b] tokens draws lengths[b] + 1 uniforms (acceptance, then
+    its bonus), as ``verify_sampling`` of that request alone would; they are laid out as
+    ``verify_sampling`` reads them: all T acceptance draws in stream order, then B bonus draws.
+    """
+    per = [_uniforms(n + 1, g, device) for n, g in zip(lengths, generators, strict=True)]
+    if not per:
+        return torch.zeros(0, device=device)
+    return torch.cat([u[:-1] for u in per] + [torch.stack([u[-1] for u in per])])
+
+
 def verify_greedy(
     target_logits: torch.Tensor, token_ids: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> VerifyResult:
@@ -135,6 +149,7 @@ def verify_sampling(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Rejection-sampling verification.
 
@@ -146,6 +161,8 @@ def verify_sampling(
         temperature: [B] per request (0 gives one-hot target rows).
         top_p: [B] per request.
         generator: source of the T + B uniforms (T for acceptance, then B for bonus tokens).
+        uniforms: [T + B] those draws given instead (``request_uniforms``: each request
+            drawing from its own generator); ``generator`` is then unused.
     Returns:
         VerifyResult with accepted [B], bonus [B].
     """
@@ -155,7 +172,7 @@ def verify_sampling(
     temp_tok = expand_to_tokens(torch.as_tensor(temperature, device=device), cu, T)
     top_p_tok = expand_to_tokens(torch.as_tensor(top_p, device=device), cu, T)
     target_probs = process_logits(target_logits, temp_tok, top_p_tok)
-    u = _uniforms(T + B, generator, device)
+    u = _uniforms(T + B, generator, device) if uniforms is None else uniforms.to(device)
     accepted, bonus = rejection_accept(target_probs, draft_probs, token_ids, cu, u[:T], u[T:])
     return VerifyResult(accepted, bonus)
 
