@@ -314,8 +314,8 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         max_tokens: int = 96, methods: tuple[str, ...] = METHODS, tps_prompts: int = 4, tps_max_tokens: int = 64,
         drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
     from dataplane.drafter_io import load_bundle, save_bundle
-    from dataplane.model import TargetModel
     from dataplane.node import STARTER_DIR
+    from dataplane.runner import ModelRunner
     from dataplane.target_cache import ensure_target, target_identity
     from dataplane.tokenizer import Tokenizer
     from learner.supervision import Supervisor
@@ -333,7 +333,7 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
     t_start = time.time()
     tdir = ensure_target(settings)
     identity = target_identity(tdir)
-    target = TargetModel.from_pretrained(tdir)
+    target = ModelRunner.training(settings).load_target(tdir)
     tok = Tokenizer(tdir)
     bundle = Path(drafter_dir) if drafter_dir else STARTER_DIR
     starter, _ = load_bundle(bundle, target, identity)

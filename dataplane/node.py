@@ -23,7 +23,7 @@ from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import MANIFEST, DrafterFetchError, DrafterLoadError, load_bundle, save_bundle
 from dataplane.engine import Engine
 from dataplane.model import TargetModel
-from dataplane.runner import apply_threads, load_target
+from dataplane.runner import ModelRunner, apply_threads
 from dataplane.sequence import Sequence
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Detokenizer, Tokenizer
@@ -42,7 +42,9 @@ class Node:
         apply_threads(settings)
         self.target_dir = target_dir or ensure_target(settings)
         self.identity = target_identity(self.target_dir)
-        self.target = target or load_target(settings, self.target_dir)
+        # Device and precision of target and drafter (a drafter is placed like its target).
+        self.runner = ModelRunner.of(target) if target is not None else ModelRunner.serving(settings)
+        self.target = target or self.runner.load_target(self.target_dir)
         self.tokenizer = tokenizer or Tokenizer(self.target_dir)
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
         self.manifest: Manifest | None = None

@@ -97,12 +97,14 @@ def sample_draft_tokens(draft_probs: torch.Tensor, generator: torch.Generator | 
 
     Args:
         draft_probs: [..., V] from ``process_logits`` (e.g. [B, K-1, V]).
-        generator: on draft_probs' device, for reproducible draws.
+        generator: for reproducible draws, on any device (the draw happens there).
     Returns:
         [...] int64 token ids (tokens of probability 0 are never drawn).
     """
     flat = draft_probs.reshape(-1, draft_probs.shape[-1]).to(torch.float32)
-    return torch.multinomial(flat, 1, generator=generator).reshape(draft_probs.shape[:-1])
+    if generator is not None:  # drawn where the generator lives (a request's is on the host)
+        flat = flat.to(generator.device)
+    return torch.multinomial(flat, 1, generator=generator).reshape(draft_probs.shape[:-1]).to(draft_probs.device)
 
 
 def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
