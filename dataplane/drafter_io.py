@@ -31,10 +31,6 @@ class DrafterLoadError(ValueError):
     """Weights that must not be served; the message says why."""
 
 
-class DrafterFetchError(DrafterLoadError):
-    """The bundle could not be fetched from where its URI points (the upstream failed)."""
-
-
 def save_bundle(drafter: Drafter, directory: str | Path, target_identity: dict, version: str = "0",
                 lineage: Lineage | dict | None = None, training: dict | None = None) -> Manifest:
     """Write the bundle atomically (into a temporary folder, then renamed). Returns its manifest."""

@@ -20,7 +20,7 @@ from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, Round, Sampling, Stats, TargetRef
 from adaflash.contracts.manifest import Manifest, sha256_file
 from dataplane.drafter import Drafter, new_drafter
-from dataplane.drafter_io import MANIFEST, DrafterFetchError, DrafterLoadError, load_bundle, save_bundle
+from dataplane.drafter_io import MANIFEST, DrafterLoadError, load_bundle, save_bundle
 from dataplane.engine import Engine
 from dataplane.model import TargetModel
 from dataplane.runner import ModelRunner, apply_threads
@@ -137,10 +137,10 @@ class Node:
         except Exception as e:  # any fetch failure is a refused load, never a crash
             shutil.rmtree(dest, ignore_errors=True)
             if uri.startswith(("http://", "https://")):
-                raise DrafterFetchError(f"cannot fetch {uri}: the server answers but serves no MLflow artifact "
+                raise DrafterLoadError(f"cannot fetch {uri}: the server answers but serves no MLflow artifact "
                                        "directory there (use an mlflow-artifacts:/, models:/ or runs:/ URI, "
                                        "or a path on this node)") from e
-            raise DrafterFetchError(f"cannot fetch {uri}: {type(e).__name__}: {e}") from e
+            raise DrafterLoadError(f"cannot fetch {uri}: {type(e).__name__}: {e}") from e
         return Path(got)
 
     def save_current_drafter(self, directory: Path) -> None:
@@ -200,4 +200,4 @@ def _probe_http(uri: str, timeout: float = 5.0) -> None:
     try:
         httpx.head(uri, timeout=timeout, follow_redirects=True)
     except httpx.HTTPError as e:
-        raise DrafterFetchError(f"cannot fetch {uri}: the server is unreachable ({type(e).__name__}: {e})") from e
+        raise DrafterLoadError(f"cannot fetch {uri}: the server is unreachable ({type(e).__name__}: {e})") from e

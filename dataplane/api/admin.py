@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from adaflash.contracts.serving import DrafterLoadRequest
 from dataplane.api import deps
 from dataplane.api.errors import ApiError
-from dataplane.drafter_io import DrafterFetchError, DrafterLoadError
+from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(deps.require_admin)])
@@ -23,13 +23,9 @@ async def get_drafter(node: Node = Depends(deps.node)):
 @router.post("/drafter", openapi_extra=deps.openapi_body(DrafterLoadRequest))
 async def post_drafter(req: DrafterLoadRequest = Depends(deps.body_of(DrafterLoadRequest)),
                        node: Node = Depends(deps.node)):
-    """Fetch, check and swap a drafter. Weights that cannot be fetched (502) or are refused
-    (409) leave the old one serving."""
+    """Fetch, check and swap a drafter; a refused one leaves the old one serving (409)."""
     try:
         return await asyncio.to_thread(node.load_drafter, req.version, req.uri, req.sha256)
-    except DrafterFetchError as e:
-        raise ApiError(502, f"drafter not fetched, still serving {node.engine.drafter_version}: {e}",
-                       param="uri", code="drafter_fetch_failed", type_="upstream_error") from e
     except DrafterLoadError as e:
         raise ApiError(409, f"drafter refused, still serving {node.engine.drafter_version}: {e}",
                        param="uri", code="drafter_refused") from e
