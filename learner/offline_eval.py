@@ -48,7 +48,7 @@ def evaluate(target, tok, drafter, n: int = 8, max_tokens: int = 128, domains=DO
             if len(prompts) >= n:
                 break
         eng = _engine(target, drafter, "fixed", tok, max_running)
-        seqs = [Sequence(pid, ids, params=SamplingParams(max_tokens=max_tokens), domain=dom) for pid, ids in prompts]
+        seqs = [Sequence(pid, ids, params=SamplingParams(max_tokens=max_tokens)) for pid, ids in prompts]
         for s in seqs:
             eng.add(s)
         eng.run_until_idle()
