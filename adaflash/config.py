@@ -38,6 +38,9 @@ class ModelConfig(BaseModel):
     # natively and a probe says it pays (AVX512-BF16 / AMX), float32 elsewhere; bfloat16 on
     # CUDA (dataplane/precision.py). Lossless means equal to ``ar`` at the served precision.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Where target and drafter serve (dataplane/runner.py). auto: CUDA when a GPU is visible,
+    # else CPU. On CUDA verification runs in the Triton kernels (dataplane/kernels/).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int = 2048
     torch_threads: int = 0  # 0: torch default
 

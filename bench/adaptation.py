@@ -314,26 +314,20 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         max_tokens: int = 96, methods: tuple[str, ...] = METHODS, tps_prompts: int = 4, tps_max_tokens: int = 64,
         drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
     from dataplane.drafter_io import load_bundle, save_bundle
-    from dataplane.model import TargetModel
     from dataplane.node import STARTER_DIR
+    from dataplane.runner import ModelRunner
     from dataplane.target_cache import ensure_target, target_identity
     from dataplane.tokenizer import Tokenizer
     from learner.supervision import Supervisor
     from learner.trainer import Trainer
 
-    if domain not in NARROW_DOMAINS:
-        raise ValueError(f"unknown domain {domain!r}; choose from {sorted(NARROW_DOMAINS)}")
-    bad = [m for m in methods if m not in METHODS]
-    if bad or "frozen" not in methods:
-        raise ValueError(f"methods must include 'frozen' and come from {METHODS}; got {list(methods)}")
-    if rounds < 1 or records_per_round < 1 or n_eval < 1:
-        raise ValueError("--rounds, --records-per-round and --eval-prompts must be positive")
+    _check_args(domain, methods, rounds, records_per_round, n_eval)
     nd = NARROW_DOMAINS[domain]
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     tdir = ensure_target(settings)
     identity = target_identity(tdir)
-    target = TargetModel.from_pretrained(tdir)
+    target = ModelRunner.training(settings).load_target(tdir)
     tok = Tokenizer(tdir)
     bundle = Path(drafter_dir) if drafter_dir else STARTER_DIR
     starter, _ = load_bundle(bundle, target, identity)
@@ -385,26 +379,9 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
     for u in range(1, rounds + 1):
         curves["frozen"].append({"update": u, "records": u * records_per_round, **frozen})
 
-    # The real engine at concurrency 1: ar against adaptive with each final drafter.
     tps_set = held[:tps_prompts]
-    real = {"ar": engine_tps(target, tok, None, tps_set, "ar", tps_max_tokens)}
-    for name, d in tqdm(list(finals.items()), desc="engine at C=1", unit="drafter"):
-        real[name] = engine_tps(target, tok, d, tps_set, "adaptive", tps_max_tokens)
-    ar_out = real["ar"].pop("outputs")
-    for name, r in real.items():
-        if name != "ar":
-            r["identical_to_ar"] = r.pop("outputs") == ar_out
-            r["speedup_vs_ar"] = r["tps"] / real["ar"]["tps"]
-
-    summary = {}
-    for name, rows in curves.items():
-        best = max(rows, key=lambda r: r["tau"])
-        summary[name] = {"final_tau": rows[-1]["tau"], "final_tau_gain_vs_frozen": rows[-1]["tau"] / frozen["tau"],
-                         "best_tau": best["tau"], "best_update": best["update"],
-                         "first_update_at_1.5x_frozen": next((r["update"] for r in rows
-                                                              if r["tau"] >= 1.5 * frozen["tau"]), None),
-                         "final_tps_model": rows[-1]["tps_model"], "final_head_mae": rows[-1]["head_mae"],
-                         "engine_c1": real.get(name)}
+    real = _engine_c1(target, tok, finals, tps_set, tps_max_tokens)
+    summary = _summary(curves, frozen, real)
     result = {
         "bench": "adaptation", "domain": domain, "domain_description": nd.description, "rounds": rounds,
         "records_per_round": records_per_round, "stream_tokens": sum(len(a.output_ids) for a in stream),
@@ -420,6 +397,42 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
     (out / "result.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "plot.png")
     return result
+
+
+def _check_args(domain: str, methods: tuple[str, ...], rounds: int, records_per_round: int, n_eval: int) -> None:
+    if domain not in NARROW_DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; choose from {sorted(NARROW_DOMAINS)}")
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "frozen" not in methods:
+        raise ValueError(f"methods must include 'frozen' and come from {METHODS}; got {list(methods)}")
+    if rounds < 1 or records_per_round < 1 or n_eval < 1:
+        raise ValueError("--rounds, --records-per-round and --eval-prompts must be positive")
+
+
+def _engine_c1(target, tok, finals: dict, tps_set: list, tps_max_tokens: int) -> dict:
+    """The real engine at concurrency 1: ar against adaptive with each final drafter."""
+    real = {"ar": engine_tps(target, tok, None, tps_set, "ar", tps_max_tokens)}
+    for name, d in tqdm(list(finals.items()), desc="engine at C=1", unit="drafter"):
+        real[name] = engine_tps(target, tok, d, tps_set, "adaptive", tps_max_tokens)
+    ar_out = real["ar"].pop("outputs")
+    for name, r in real.items():
+        if name != "ar":
+            r["identical_to_ar"] = r.pop("outputs") == ar_out
+            r["speedup_vs_ar"] = r["tps"] / real["ar"]["tps"]
+    return real
+
+
+def _summary(curves: dict[str, list[dict]], frozen: dict, real: dict) -> dict:
+    summary = {}
+    for name, rows in curves.items():
+        best = max(rows, key=lambda r: r["tau"])
+        summary[name] = {"final_tau": rows[-1]["tau"], "final_tau_gain_vs_frozen": rows[-1]["tau"] / frozen["tau"],
+                         "best_tau": best["tau"], "best_update": best["update"],
+                         "first_update_at_1.5x_frozen": next((r["update"] for r in rows
+                                                              if r["tau"] >= 1.5 * frozen["tau"]), None),
+                         "final_tps_model": rows[-1]["tps_model"], "final_head_mae": rows[-1]["head_mae"],
+                         "engine_c1": real.get(name)}
+    return summary
 
 
 def plot(result: dict, path: Path) -> None:

@@ -59,20 +59,21 @@ def run(settings, concurrency: int, n_requests: int, max_tokens: int, pairs: int
     runs = []
     with TansuBroker() as broker:
         emitter = build_emitter(settings, bootstrap=broker.bootstrap)
-        emitter.submit(node.feedback_record(_warm_seq(node, ids[0])))  # start the scrubber child first
+        emitter.submit(node.feedback_record(_warm_request(ids[0])))  # start the scrubber child first
         emitter.drain(timeout=180)
         for i in tqdm(range(2 * pairs), desc="feedback off/on", unit="run"):
             on = i % 2 == 1
             engine = Engine(node.target, settings.dataplane, drafter=node.engine.drafter,
                             drafter_version=node.engine.drafter_version, eos_token_ids=[tok.eos_token_id],
                             max_model_len=settings.model.max_model_len)
-            if on:
-                engine.on_finish = lambda s: emitter.submit(node.feedback_record(s))
+            if on:  # the node's path: the engine thread queues, the node's builder builds the record
+                node.emitter = emitter
+                engine.on_finish = node.on_request_finished
             r = run_closed_loop(engine, ids, concurrency, max_tokens)
             r.pop("outputs")
             runs.append({"feedback": on, **r})
         t0 = time.perf_counter()
-        drained = emitter.drain(timeout=600)
+        drained = node.feedback.drain(timeout=600) and emitter.drain(timeout=600)
         drain_s = time.perf_counter() - t0
         counters = emitter.counters()
         emitter.close()
@@ -88,13 +89,13 @@ def run(settings, concurrency: int, n_requests: int, max_tokens: int, pairs: int
     return result
 
 
-def _warm_seq(node, ids):
-    from dataplane.sequence import SamplingParams, Sequence
+def _warm_request(ids):
+    from dataplane.envelope import RequestEnvelope
+    from dataplane.feedback import FinishedRequest
 
-    s = Sequence(request_id="warmup", prompt_ids=ids, params=SamplingParams(max_tokens=1),
-                 prompt_text="warm-up request for the scrubber", tenant_id="bench")
-    s.output_ids = [ids[-1]]
-    return s
+    return FinishedRequest(request_id="warmup", tenant_id="bench", output_ids=[ids[-1]], stop=[], temperature=0.0,
+                           top_p=1.0, drafter_version=None,
+                           envelope=RequestEnvelope(prompt_text="warm-up request for the scrubber"))
 
 
 def _plot(result: dict, path: Path) -> None:

@@ -65,13 +65,13 @@ def forward_paths(target_dir, native_bf16: bool, context: int = 128, repeats: in
     bfloat16 serves now; the fused bfloat16 path is served where the CPU multiplies it
     natively. Repeats go round the paths in turn; each keeps its fastest.
     """
-    from dataplane.model import TargetModel
+    from dataplane.runner import ModelRunner
 
     variants = [("float32", True), ("float32", False)] + ([("bfloat16", False)] if native_bf16 else [])
     g = torch.Generator().manual_seed(0)
     setups = {}
     for dtype, reference in variants:
-        m = TargetModel.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+        m = ModelRunner.reference(dtype).load_target(target_dir)
         m.reference = reference
         for n in (1, 16):
             setups[(dtype, reference, n)] = (m, *_setup(m, 1, n, context, g))

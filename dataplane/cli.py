@@ -74,8 +74,7 @@ def serve(args, settings) -> int:
         if rec:
             rec.stop()
         node.engine.stop()
-        if node.emitter is not None:
-            node.emitter.close()
+        node.close_feedback()  # queued records to the emitter, then the emitter's own drain
         tel.shutdown()
     return 0
 

@@ -249,7 +249,7 @@ class Drafter(nn.Module):
         its context and to the whole block (non-causal).
         """
         B, k = last_tokens.shape[0], self.config.block_size
-        x = self.block_embeddings(last_tokens).reshape(B * k, -1)
+        x = self.block_embeddings(last_tokens.to(self.fc.weight.device)).reshape(B * k, -1)
         offs = torch.arange(k)
         pos = torch.cat([kv.length + offs for kv in kvs]).to(x.device)
         cos, sin = self.rotary.cos_sin(pos)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from adaflash.contracts.manifest import Lineage, Manifest, TargetIdentity, sha256_file, verify_files
 from dataplane.drafter import Drafter, DrafterConfig
 from dataplane.model import TargetModel
+from dataplane.runner import ModelRunner
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -105,7 +106,6 @@ def load_bundle(directory: str | Path, target: TargetModel, target_identity: dic
     for name, t in state.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise DrafterLoadError(f"tensor {name} holds non-finite values")
-    ref = target.lm_head.weight
     try:
         drafter = Drafter(cfg)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -123,9 +123,7 @@ def load_bundle(directory: str | Path, target: TargetModel, target_identity: dic
     drafter.load_state_dict(state)
     if drafter.vocab_map.numel() and int(drafter.vocab_map.max()) >= cfg.vocab_size:
         raise DrafterLoadError("vocab_map points outside the target vocabulary")
-    drafter.to(dtype=ref.dtype, device=ref.device)
-    drafter.vocab_map = drafter.vocab_map.to(torch.int64)
-    drafter.rotary.inv_freq = drafter.rotary.inv_freq.float()
+    ModelRunner.of(target).place(drafter)  # the target's device and precision
     try:
         drafter.bind(target)
     except ValueError as e:

@@ -4,7 +4,8 @@ Requests arrive from any thread (``add``) and join between steps; each step admi
 prefills new requests, advances the selected running requests by one speculative round
 (``SpecStep``), commits tokens, applies stop conditions and retires finished requests.
 Drafter hot-reloads are applied between steps. Everything model-related runs on the
-engine thread; callers get tokens through each sequence's ``on_update`` callback.
+engine thread; callers get tokens through the ``on_update`` callback of the request
+envelope they add with each sequence (``dataplane.envelope``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from adaflash.config import DataplaneConfig
 from dataplane.admission import TenantAdmission
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
+from dataplane.envelope import RequestEnvelope
 from dataplane.grammar import GrammarState
 from dataplane.metrics import NodeMetrics
 from dataplane.model import TargetModel
@@ -52,7 +54,10 @@ class Engine:
         self.admission = TenantAdmission(cfg, self.metrics.registry, tps=lambda: self.metrics.live()["tps"])
         self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta,
                                    weight_of=self.admission.weight)
-        self.on_finish: Callable[[Sequence], None] | None = None  # feedback hook, called off the hot path
+        # Feedback hook, called with each finished sequence and its envelope; it must only hand
+        # them on (the record is built on another thread, dataplane.feedback).
+        self.on_finish: Callable[[Sequence, RequestEnvelope | None], None] | None = None
+        self._envelopes: dict[int, RequestEnvelope] = {}  # id(sequence) -> its envelope, until it finishes
         self._inbox: queue.Queue = queue.Queue()
         self._cancel: set[str] = set()
         self._cancel_lock = threading.Lock()
@@ -67,9 +72,11 @@ class Engine:
         self.last_error: str | None = None
 
     # --- called from any thread ----------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, envelope: RequestEnvelope | None = None) -> None:
         """Queue a request; raises ``TenantOverQuota`` when its tenant is over its limits."""
         self.admission.acquire(seq)
+        if envelope is not None:
+            self._envelopes[id(seq)] = envelope
         self._inbox.put(seq)
         self._wake.set()
 
@@ -305,9 +312,10 @@ class Engine:
             s.first_token_at = now
         s.token_times.extend([now] * len(added))
         self.metrics.on_tokens(len(added), 1)
-        if s.on_update is not None:
+        env = self._envelopes.get(id(s))
+        if env is not None and env.on_update is not None:
             try:
-                s.on_update(s, added, reason is not None)
+                env.on_update(s, added, reason is not None)
             except Exception:  # a broken client callback must not stop the engine
                 log.exception("on_update failed")
                 s.cancelled = True
@@ -328,14 +336,15 @@ class Engine:
         self.finished_count += 1
         self.error_count += reason == "error"
         self.metrics.requests.labels(tenant=s.tenant_id, finish_reason=s.finish_reason).inc()
-        if reason in ("error", "cancelled") and s.on_update is not None and s.status == Status.FINISHED:
+        env = self._envelopes.pop(id(s), None)
+        if reason in ("error", "cancelled") and env is not None and env.on_update is not None:
             try:
-                s.on_update(s, [], True)
+                env.on_update(s, [], True)
             except Exception:
                 log.exception("on_update failed")
         if self.on_finish is not None and reason != "error":
             try:
-                self.on_finish(s)
+                self.on_finish(s, env)
             except Exception:  # feedback must never take serving down
                 log.exception("feedback hook failed")
 

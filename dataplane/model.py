@@ -256,6 +256,10 @@ class TargetModel(nn.Module):
         return self._forward(input_ids, cu_seqlens, kvs, logits_index, hidden_layers)
 
     def _forward(self, input_ids, cu_seqlens, kvs, logits_index, hidden_layers) -> ForwardOutput:
+        device = self.lm_head.weight.device  # the engine builds its index tensors on the host
+        input_ids = input_ids.to(device)
+        if logits_index is not None:
+            logits_index = logits_index.to(device)
         bounds, positions = [], []
         for b, kv in enumerate(kvs):
             s, e = int(cu_seqlens[b]), int(cu_seqlens[b + 1])

@@ -17,13 +17,15 @@ import time
 from pathlib import Path
 
 from adaflash.config import Settings
-from adaflash.contracts.feedback import FeedbackRecord, Round, Sampling, Stats, TargetRef
+from adaflash.contracts.feedback import FeedbackRecord
 from adaflash.contracts.manifest import Manifest, sha256_file
 from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import MANIFEST, DrafterLoadError, load_bundle, save_bundle
 from dataplane.engine import Engine
+from dataplane.envelope import RequestEnvelope
+from dataplane.feedback import FeedbackBuilder, FinishedRequest, build_record
 from dataplane.model import TargetModel
-from dataplane.runner import apply_threads, load_target
+from dataplane.runner import ModelRunner, apply_threads
 from dataplane.sequence import Sequence
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Detokenizer, Tokenizer
@@ -42,7 +44,9 @@ class Node:
         apply_threads(settings)
         self.target_dir = target_dir or ensure_target(settings)
         self.identity = target_identity(self.target_dir)
-        self.target = target or load_target(settings, self.target_dir)
+        # Device and precision of target and drafter (a drafter is placed like its target).
+        self.runner = ModelRunner.of(target) if target is not None else ModelRunner.serving(settings)
+        self.target = target or self.runner.load_target(self.target_dir)
         self.tokenizer = tokenizer or Tokenizer(self.target_dir)
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
         self.manifest: Manifest | None = None
@@ -51,8 +55,9 @@ class Node:
         drafter, version = self._initial_drafter()
         self.engine = Engine(self.target, cfg, drafter=drafter, drafter_version=version,
                              eos_token_ids=[self.tokenizer.eos_token_id], max_model_len=settings.model.max_model_len)
-        self.engine.on_finish = self._on_finish
+        self.engine.on_finish = self.on_request_finished
         self.emitter = None  # set by the server when feedback is enabled
+        self.feedback = FeedbackBuilder(self.feedback_record, self._emit)  # records built off the engine thread
         self.load_lock = threading.Lock()
         self.last_load_error: str | None = None
         self.loaded_at = time.time()
@@ -155,33 +160,26 @@ class Node:
     def new_detokenizer(self, stop: list[str]) -> Detokenizer:
         return Detokenizer(self.tokenizer, stop)
 
-    def _on_finish(self, seq: Sequence) -> None:
+    def on_request_finished(self, seq: Sequence, envelope: RequestEnvelope | None) -> None:
+        """Engine thread: copy what the record needs and queue it (built in ``dataplane.feedback``)."""
         if self.emitter is None or seq.finish_reason == "cancelled" and not seq.output_ids:
             return
-        record = self.feedback_record(seq)
-        self.emitter.submit(record, traceparent=seq.traceparent)
+        self.feedback.submit(FinishedRequest.of(seq, envelope))
 
-    def feedback_record(self, seq: Sequence) -> FeedbackRecord:
+    def feedback_record(self, done: FinishedRequest) -> FeedbackRecord:
         """The raw (unscrubbed) record of a finished request; the emitter scrubs it."""
-        detok = Detokenizer(self.tokenizer, seq.params.stop)
-        detok.update(seq.output_ids, final=True)
-        rounds = [Round(k_hat=r.k_hat, accepted=r.accepted, a_hat=min(1.0, max(0.0, r.a_hat))) for r in seq.rounds]
-        st = seq.stats()
-        return FeedbackRecord(
-            tenant_id=seq.tenant_id,
-            node_id=self.node_id,
-            request_id=seq.request_id,
-            target_model=TargetRef(**self.identity),
-            drafter_version=seq.drafter_version or "none",
-            mode=self.engine.mode,
-            sampling=Sampling(temperature=seq.params.temperature, top_p=seq.params.top_p),
-            domain=seq.domain,
-            prompt_text=seq.prompt_text,
-            response_text=detok.text,
-            rounds=rounds,
-            stats=Stats(tau_mean=st["mean_accept_len"], verify_tokens=st["verified_tokens"],
-                        draft_ms=seq.draft_s * 1000.0, verify_ms=seq.verify_s * 1000.0),
-        )
+        return build_record(done, self.tokenizer, self.node_id, self.identity, self.engine.mode)
+
+    def _emit(self, record: FeedbackRecord, traceparent: str | None) -> None:
+        if self.emitter is not None:
+            self.emitter.submit(record, traceparent=traceparent)
+
+    def close_feedback(self, timeout: float = 30.0) -> bool:
+        """Hand every queued record to the emitter and close it (shutdown)."""
+        done = self.feedback.close(timeout)
+        if self.emitter is not None:
+            done = self.emitter.close(timeout) and done
+        return done
 
     def live_status(self) -> dict:
         live = self.engine.metrics.live()

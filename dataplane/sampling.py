@@ -169,4 +169,6 @@ def first_token(seq, row: torch.Tensor) -> int:
     if seq.greedy or seq.seeded:
         return int(rows[0].argmax())
     p = process_logits(rows[0], seq.params.temperature, seq.params.top_p)
+    if seq.generator is not None:
+        p = p.to(seq.generator.device)
     return int(torch.multinomial(p, 1, generator=seq.generator))

@@ -1,10 +1,13 @@
-"""One request's state inside the engine."""
+"""One request's state inside the engine: what decoding needs, nothing else.
+
+The request's text, domain, trace and token callback travel beside it in its
+``dataplane.envelope.RequestEnvelope``.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,11 +47,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    tenant_id: str = "default"
-    domain: str | None = None
-    prompt_text: str = ""
-    # Called from the engine thread with (sequence, new token ids, finished).
-    on_update: Callable[[Sequence, list[int], bool], None] | None = None
+    tenant_id: str = "default"  # admission key: fair share, quotas, per-tenant metrics
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -75,7 +74,6 @@ class Sequence:
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
-    traceparent: str | None = None  # W3C traceparent of the request span (dataplane.tracing)
 
     @property
     def last_token(self) -> int:

@@ -25,7 +25,7 @@ from dataplane.kernels import greedy_accept, pack_drafts
 from dataplane.model import TargetModel
 from dataplane.sampling import constrained_rows, grammar_drafts, seeded_draft
 from dataplane.sequence import Round, Sequence
-from dataplane.verify import process_logits, sample_draft_tokens, verify, verify_sampling
+from dataplane.verify import process_logits, request_uniforms, sample_draft_tokens, verify, verify_sampling
 
 MAX_BACKOFF = 16
 
@@ -219,7 +219,7 @@ class SpecStep:
     def _verify(self, seqs, plan, logits, token_ids, cu) -> tuple[list[int], list[int]]:
         """Plain greedy requests are verified together on the raw logits; a request with a
         grammar, penalties or a seed on its own rows (``constrained_rows``), by argmax when
-        greedy or seeded, else by rejection sampling against its (changed) distribution."""
+        greedy or seeded; sampled requests together by rejection sampling (``_verify_sampled``)."""
         B = len(seqs)
         plain = [i for i, s in enumerate(seqs) if s.greedy and not s.constrained]
         accepted, bonus = [0] * B, [0] * B
@@ -230,23 +230,44 @@ class SpecStep:
             res = verify(logits, token_ids, cu, torch.zeros(B))
             for i in plain:
                 accepted[i], bonus[i] = int(res.accepted[i]), int(res.bonus[i])
+        sampled = []
         for i, s in enumerate(seqs):
             if s.greedy and not s.constrained:
                 continue
+            if not (s.greedy or s.seeded):
+                sampled.append(i)
+                continue
             a, e = int(cu[i]), int(cu[i + 1])
             rows = constrained_rows(s, logits[a:e], token_ids[a + 1 : e].tolist())
-            seg = torch.tensor([0, e - a])
-            if s.greedy or s.seeded:
-                acc, bon = greedy_accept(rows, token_ids[a:e], seg)
-                accepted[i], bonus[i] = int(acc[0]), int(bon[0])
-                continue
-            q = plan.draft_probs[i]
-            if q is None:
-                q = logits.new_zeros(e - a, logits.shape[-1])
-            r = verify_sampling(rows, q, token_ids[a:e], seg, torch.tensor([s.params.temperature]),
-                                torch.tensor([s.params.top_p]), s.generator)
-            accepted[i], bonus[i] = int(r.accepted[0]), int(r.bonus[0])
+            acc, bon = greedy_accept(rows, token_ids[a:e], torch.tensor([0, e - a]))
+            accepted[i], bonus[i] = int(acc[0]), int(bon[0])
+        if sampled:
+            spans = [(int(cu[i]), int(cu[i + 1])) for i in sampled]
+            acc, bon = self._verify_sampled([seqs[i] for i in sampled], [plan.draft_probs[i] for i in sampled],
+                                            spans, logits, token_ids)
+            for j, i in enumerate(sampled):
+                accepted[i], bonus[i] = acc[j], bon[j]
         return accepted, bonus
+
+    @staticmethod
+    def _verify_sampled(seqs: list[Sequence], probs: list[torch.Tensor | None], spans: list[tuple[int, int]],
+                        logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rejection-sample the segments ``spans`` (rows [a, e) of the stream) of sampled
+        requests in one call: their rows (``constrained_rows``: penalties, grammar) and draft
+        distributions [e - a, V] are packed into a sub-stream, and each request draws its
+        uniforms from its own generator, as it would verified alone."""
+        rows, q, ids, cu = [], [], [], [0]
+        for s, p, (a, e) in zip(seqs, probs, spans, strict=True):
+            rows.append(constrained_rows(s, logits[a:e], token_ids[a + 1 : e].tolist()).float())
+            q.append(p.float() if p is not None else logits.new_zeros(e - a, logits.shape[-1], dtype=torch.float32))
+            ids.append(token_ids[a:e])
+            cu.append(cu[-1] + e - a)
+        stream_rows = torch.cat(rows)
+        u = request_uniforms([e - a for a, e in spans], [s.generator for s in seqs], stream_rows.device)
+        r = verify_sampling(stream_rows, torch.cat(q).to(stream_rows.device), torch.cat(ids), torch.tensor(cu),
+                            torch.tensor([s.params.temperature for s in seqs]),
+                            torch.tensor([s.params.top_p for s in seqs]), uniforms=u)
+        return r.accepted.tolist(), r.bonus.tolist()
 
     def _update_calibration(self, plan: StepPlan, accepted: list[int]) -> None:
         """EMA of realised / predicted accepted drafts over the rounds that drafted.

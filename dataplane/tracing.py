@@ -9,8 +9,8 @@ The span tree of a request::
 
 ``TracingMiddleware`` (pure ASGI, so the span covers streamed bodies too) opens the
 ``request`` span and makes it current; the server calls :func:`attach` when it hands
-the request to the engine, which records the span's traceparent on the sequence (it
-travels with the feedback record into Kafka headers). Nothing runs on the engine
+the request to the engine, which records the span's traceparent on the request envelope
+(it travels with the feedback record into Kafka headers). Nothing runs on the engine
 thread: the engine already timestamps arrival, prefill and every committed token, and
 the child spans are built from those timestamps when the response is done, together
 with the TTFT / inter-token / end-to-end latency histograms per tenant. With no
@@ -44,15 +44,16 @@ class _Request:
 _CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("adaflash_request", default=None)
 
 
-def attach(seq) -> None:
-    """Tie a sequence to the current request span (call before ``engine.add``)."""
+def attach(seq, envelope) -> None:
+    """Tie a sequence to the current request span and record the span's traceparent on its
+    envelope (call before ``engine.add``)."""
     req = _CURRENT.get()
     if req is None:
         return
     req.seq = seq
     req.span.set_attribute(SpanAttrs.REQUEST_ID, seq.request_id)
     req.span.set_attribute(SpanAttrs.TENANT, seq.tenant_id)
-    seq.traceparent = inject_traceparent(req.span) or None
+    envelope.traceparent = inject_traceparent(req.span) or None
 
 
 class TracingMiddleware:

@@ -97,12 +97,14 @@ def sample_draft_tokens(draft_probs: torch.Tensor, generator: torch.Generator | 
 
     Args:
         draft_probs: [..., V] from ``process_logits`` (e.g. [B, K-1, V]).
-        generator: on draft_probs' device, for reproducible draws.
+        generator: for reproducible draws, on any device (the draw happens there).
     Returns:
         [...] int64 token ids (tokens of probability 0 are never drawn).
     """
     flat = draft_probs.reshape(-1, draft_probs.shape[-1]).to(torch.float32)
-    return torch.multinomial(flat, 1, generator=generator).reshape(draft_probs.shape[:-1])
+    if generator is not None:  # drawn where the generator lives (a request's is on the host)
+        flat = flat.to(generator.device)
+    return torch.multinomial(flat, 1, generator=generator).reshape(draft_probs.shape[:-1]).to(draft_probs.device)
 
 
 def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -111,6 +113,20 @@ def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -
     if generator is None:
         return torch.rand(n, device=device)
     return torch.rand(n, generator=generator, device=generator.device).to(device)
+
+
+def request_uniforms(lengths: list[int], generators: list[torch.Generator | None],
+                     device: torch.device) -> torch.Tensor:
+    """The [T + B] uniforms of a stream whose request b draws from its own generator.
+
+    Request b verifying lengths[b] tokens draws lengths[b] + 1 uniforms (acceptance, then
+    its bonus), as ``verify_sampling`` of that request alone would; they are laid out as
+    ``verify_sampling`` reads them: all T acceptance draws in stream order, then B bonus draws.
+    """
+    per = [_uniforms(n + 1, g, device) for n, g in zip(lengths, generators, strict=True)]
+    if not per:
+        return torch.zeros(0, device=device)
+    return torch.cat([u[:-1] for u in per] + [torch.stack([u[-1] for u in per])])
 
 
 def verify_greedy(
@@ -135,6 +151,7 @@ def verify_sampling(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Rejection-sampling verification.
 
@@ -146,6 +163,8 @@ def verify_sampling(
         temperature: [B] per request (0 gives one-hot target rows).
         top_p: [B] per request.
         generator: source of the T + B uniforms (T for acceptance, then B for bonus tokens).
+        uniforms: [T + B] those draws given instead (``request_uniforms``: each request
+            drawing from its own generator); ``generator`` is then unused.
     Returns:
         VerifyResult with accepted [B], bonus [B].
     """
@@ -155,7 +174,7 @@ def verify_sampling(
     temp_tok = expand_to_tokens(torch.as_tensor(temperature, device=device), cu, T)
     top_p_tok = expand_to_tokens(torch.as_tensor(top_p, device=device), cu, T)
     target_probs = process_logits(target_logits, temp_tok, top_p_tok)
-    u = _uniforms(T + B, generator, device)
+    u = _uniforms(T + B, generator, device) if uniforms is None else uniforms.to(device)
     accepted, bonus = rejection_accept(target_probs, draft_probs, token_ids, cu, u[:T], u[T:])
     return VerifyResult(accepted, bonus)
 

@@ -59,7 +59,7 @@ def register(subparsers) -> None:
 def run(args, settings) -> int:
     import torch
 
-    from dataplane.model import TargetModel
+    from dataplane.runner import ModelRunner
     from dataplane.target_cache import ensure_target, target_identity
     from dataplane.tokenizer import Tokenizer
     from learner import data as D
@@ -67,7 +67,7 @@ def run(args, settings) -> int:
 
     torch.set_num_threads(args.threads)
     d = ensure_target(settings)
-    target = TargetModel.from_pretrained(d)
+    target = ModelRunner.training().load_target(d)
     tok = Tokenizer(d)
     root = Path(args.data_root) if args.data_root else D.data_root(settings.cache, settings.model.target_id)
     if args.prepare_seconds:

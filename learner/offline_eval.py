@@ -48,7 +48,7 @@ def evaluate(target, tok, drafter, n: int = 8, max_tokens: int = 128, domains=DO
             if len(prompts) >= n:
                 break
         eng = _engine(target, drafter, "fixed", tok, max_running)
-        seqs = [Sequence(pid, ids, params=SamplingParams(max_tokens=max_tokens), domain=dom) for pid, ids in prompts]
+        seqs = [Sequence(pid, ids, params=SamplingParams(max_tokens=max_tokens)) for pid, ids in prompts]
         for s in seqs:
             eng.add(s)
         eng.run_until_idle()
@@ -88,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     from adaflash.config import load_config
     from dataplane.drafter_io import load_bundle
-    from dataplane.model import TargetModel
+    from dataplane.runner import ModelRunner
     from dataplane.target_cache import ensure_target, target_identity
     from dataplane.tokenizer import Tokenizer
 
     d = ensure_target(load_config())
-    target = TargetModel.from_pretrained(d)
+    target = ModelRunner.training().load_target(d)
     tok = Tokenizer(d)
     drafter, _ = load_bundle(a.bundle, target, target_identity(d))
     res = evaluate(target, tok, drafter, n=a.n, max_tokens=a.max_tokens, check_ar=a.check_ar)

@@ -39,8 +39,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 import dataplane
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord
@@ -56,6 +54,7 @@ from adaflash.telemetry import (
 from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import DrafterLoadError, load_bundle
 from dataplane.model import TargetModel
+from dataplane.runner import ModelRunner
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Tokenizer
 from learner.buffer import Item, PolicySource, ReplayBuffer, StaticPolicies
@@ -114,11 +113,9 @@ class Learner:
         self.settings = settings
         self.cfg = settings.learner
         self.topic = settings.kafka.feedback_topic
-        if settings.model.torch_threads:
-            torch.set_num_threads(settings.model.torch_threads)
         tdir = ensure_target(settings)
         self.identity = target_identity(tdir)
-        self.target = TargetModel.from_pretrained(tdir)
+        self.target = ModelRunner.training(settings).load_target(tdir)
         drafter, parent = initial_drafter(settings, self.target, self.identity)
         self.drafter = drafter
         self.supervisor = Supervisor(self.target, Tokenizer(tdir), self.identity, drafter.config.target_layers,

@@ -1,8 +1,9 @@
 """One API request in flight: its n engine sequences and what has been sent of each.
 
-The request envelope (tenant, prompt text, trace, callbacks, detokenizers, what was sent)
-lives here; the engine's ``Sequence`` carries only what decoding needs. Tokens come back
-through each sequence's ``on_update`` callback (engine thread) into one asyncio queue.
+Each choice is an engine ``Sequence`` (what decoding needs) added with its
+``RequestEnvelope`` (prompt text, domain, trace, token callback); the detokenizer and
+what was sent stay here. Tokens come back through the envelope's ``on_update`` (engine
+thread) into one asyncio queue.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from dataplane.admission import TenantOverQuota
+from dataplane.envelope import RequestEnvelope
 from dataplane.node import Node
 from dataplane.sampling import CHOICE_STREAM, TokenLogprob, mix_seed
 from dataplane.sequence import SamplingParams, Sequence
@@ -29,6 +31,7 @@ DISCONNECT_POLL_S = 1.0
 class Choice:
     index: int
     seq: Sequence
+    envelope: RequestEnvelope
     detok: Detokenizer
     sent_logprobs: int = 0  # logprob entries already handed out
     finish_reason: str | None = None
@@ -65,9 +68,9 @@ class Generation:
                 seed = mix_seed(seed, CHOICE_STREAM + i)
             p = SamplingParams(**{**params.__dict__, "stop": list(params.stop or []), "seed": seed})
             seq = Sequence(request_id=self.id if n == 1 else f"{self.id}-{i}", prompt_ids=list(prompt_ids),
-                           params=p, tenant_id=tenant, domain=domain, prompt_text=prompt_text)
-            seq.on_update = self._callback(loop, i)
-            self.choices.append(Choice(i, seq, node.new_detokenizer(p.stop)))
+                           params=p, tenant_id=tenant)
+            env = RequestEnvelope(prompt_text=prompt_text, domain=domain, on_update=self._callback(loop, i))
+            self.choices.append(Choice(i, seq, env, node.new_detokenizer(p.stop)))
 
     def _callback(self, loop: asyncio.AbstractEventLoop, index: int):
         def on_update(_s: Sequence, _new: list[int], finished: bool) -> None:
@@ -84,8 +87,8 @@ class Generation:
         added = []
         try:
             for c in self.choices:
-                attach(c.seq)
-                self.node.engine.add(c.seq)
+                attach(c.seq, c.envelope)
+                self.node.engine.add(c.seq, c.envelope)
                 added.append(c.seq)
         except TenantOverQuota:
             for seq in added:

@@ -25,7 +25,8 @@ async def readyz(node: Node = Depends(deps.node)):
     ready = alive and drafter_ok
     body = {"ready": ready, "model": node.identity["id"], "drafter_version": engine.drafter_version,
             "mode": engine.mode, "engine_alive": alive,
-            "dtype": str(node.target.lm_head.weight.dtype).removeprefix("torch.")}
+            "dtype": node.runner.precision, "device": str(node.runner.device),
+            "verify_kernels": "triton" if node.runner.triton_verify else "torch"}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

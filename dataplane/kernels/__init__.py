@@ -3,7 +3,8 @@
 Each op has a plain PyTorch reference (``*_torch``) and a Triton kernel (``*_triton``)
 with the same contract. The functions exported here pick one per call: Triton when the
 inputs live on CUDA (or ``ADAFLASH_FORCE_TRITON=1``, used with ``TRITON_INTERPRET=1`` to
-run the kernels on CPU), PyTorch otherwise.
+run the kernels on CPU), PyTorch otherwise. Index tensors (token ids, lengths, cu_seqlens)
+follow the op's main tensor to its device, so a caller may build them on the host.
 
 Stream conventions: B requests, request b verifies k_hat[b] >= 1 tokens; T = sum(k_hat);
 ``cu_seqlens`` [B+1] int64 with cu_seqlens[0] = 0; request b owns rows [s, e) =
@@ -54,7 +55,8 @@ def pack_drafts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B], [B, K-1], [B], [B] -> token_ids [T], positions [T], cu_seqlens [B+1] (all int64)."""
     impl = pack_drafts_triton if use_triton(k_hat) else pack_drafts_torch
-    return impl(last_tokens, drafts, k_hat, seq_lens, num_tokens)
+    dev = k_hat.device
+    return impl(last_tokens.to(dev), drafts.to(dev), k_hat, seq_lens.to(dev), num_tokens)
 
 
 def greedy_accept(
@@ -62,7 +64,7 @@ def greedy_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, V], token_ids [T], cu_seqlens [B+1] -> accepted [B], bonus [B] (int64)."""
     impl = greedy_accept_triton if use_triton(logits) else greedy_accept_torch
-    return impl(logits, token_ids, cu_seqlens)
+    return impl(logits, token_ids.to(logits.device), cu_seqlens.to(logits.device))
 
 
 def rejection_accept(
@@ -76,7 +78,9 @@ def rejection_accept(
     """p [T, V], q [T, V], token_ids [T], cu_seqlens [B+1], uniforms [T], bonus_uniforms [B]
     -> accepted [B], bonus [B] (int64)."""
     impl = rejection_accept_triton if use_triton(target_probs) else rejection_accept_torch
-    return impl(target_probs, draft_probs, token_ids, cu_seqlens, uniforms, bonus_uniforms)
+    dev = target_probs.device
+    return impl(target_probs, draft_probs.to(dev), token_ids.to(dev), cu_seqlens.to(dev), uniforms.to(dev),
+                bonus_uniforms.to(dev))
 
 
 __all__ = [

@@ -117,3 +117,17 @@ def test_admin_requires_token_and_refuses_bad_weights(server, tiny_node, tmp_pat
     assert done.json()["usage"]["speculative"]["drafter_version"] == "v2"
     r = httpx.post(f"{server.url}/admin/drafter", json={"version": "x"}, headers=auth)
     assert r.status_code == 400
+
+
+def test_admin_load_from_a_server_without_a_bundle_is_409(server):
+    """An http(s) URI whose server answers but serves no artifact directory is refused with
+    the reason, as JSON, and the node keeps serving what it had."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"]
+    r = httpx.post(f"{server.url}/admin/drafter", json={"version": "x", "uri": f"{server.url}/no/such/bundle"},
+                   headers=auth, timeout=60)
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["code"] == "drafter_refused" and err["param"] == "uri"
+    assert "serves no MLflow artifact directory" in err["message"] and f"still serving {before}" in err["message"]
+    assert httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"] == before

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from adaflash.config import Settings
+
 helm = pytest.importorskip("helm_python")
 kv = pytest.importorskip("kubernetes_validate")
 
@@ -119,10 +121,12 @@ def test_key_properties(chart, profile):
     gpu = values["dataplane"]["gpu"]
     limits = node["resources"].get("limits", {})
     assert (gpu["resourceName"] in limits) == gpu["enabled"]
-    assert dp["metadata"]["labels"]["adaflash.io/engine"] == values["dataplane"]["engine"]
+    model = {**yaml.safe_load((CHART / "values.yaml").read_text())["model"], **values.get("model", {})}
+    assert dp["metadata"]["labels"]["adaflash.io/device"] == model["device"]
 
     cfg = yaml.safe_load(kinds(docs, "ConfigMap")[0]["data"]["adaflash.yaml"])
-    assert cfg["dataplane"]["engine"] == values["dataplane"]["engine"]
+    assert (cfg["model"]["device"], cfg["model"]["dtype"]) == (model["device"], model["dtype"])
+    Settings.model_validate(cfg)  # what the chart renders is a configuration nodes accept
     assert cfg["kafka"]["bootstrap"] == values["kafka"]["bootstrap"]
     assert cfg["controlplane"]["mlflow_tracking_uri"] == values["mlflow"]["trackingUri"]
     assert cfg["dataplane"]["controlplane_url"].startswith(f"http://{RELEASE}-adaflash-controlplane:")
@@ -185,15 +189,17 @@ def test_production_profile_specifics(chart):
     assert cfg["telemetry"]["sample_ratio"] == 0.2
 
 
-def test_gpu_sglang_profile_specifics(chart):
-    docs = render(chart, "gpu-sglang-values.yaml")
+def test_gpu_profile_runs_our_engine_on_cuda_in_bfloat16(chart):
+    docs = render(chart, "gpu-cuda-bf16-values.yaml")
     dp = by_component(docs, "Deployment", "dataplane")
     spec = pod_spec(dp)
     node = spec["containers"][0]
-    assert node["image"] == "registry.example.com/adaflash/adaflash-sglang:0.1.0-cuda12"
+    assert node["image"] == "registry.example.com/adaflash/adaflash:0.1.0"  # the project's own image
     assert node["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "admin", "containerPort": 8001, "protocol": "TCP"} in node["ports"]
-    assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in spec["volumes"])  # /dev/shm
+    cfg = Settings.model_validate(yaml.safe_load(kinds(docs, "ConfigMap")[0]["data"]["adaflash.yaml"]))
+    assert (cfg.model.device, cfg.model.dtype) == ("cuda", "bfloat16")
+    assert "sglang" not in yaml.safe_dump(docs).lower()  # nothing names an engine that does not run
     assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "adaflash-models" for v in spec["volumes"])
     cp = by_component(docs, "Deployment", "controlplane")
     env = {e["name"]: e for e in pod_spec(cp)["containers"][0]["env"]}
@@ -212,7 +218,8 @@ def test_minimal_profile_has_no_disruption_budget(chart):
 @pytest.mark.parametrize("bad", [
     {"dataplan": {"replicaCount": 2}},  # typo in a top-level key
     {"dataplane": {"replicas": 2}},  # typo one level down
-    {"dataplane": {"engine": "vllm"}},
+    {"dataplane": {"engine": "sglang"}},  # no such engine in the chart until it runs
+    {"model": {"device": "tpu"}},
     {"telemetry": {"exporter": "jaeger"}},
     {"secrets": {"adminToken": {"name": "adaflash-admin", "key": "token", "value": "hunter2"}}},
     {"adminToken": "hunter2"},

@@ -70,10 +70,10 @@ imagePullPolicy: {{ $o.pullPolicy | default .root.Values.image.pullPolicy }}
 {{/* The adaflash YAML configuration rendered into the ConfigMap. */}}
 {{- define "adaflash.config" -}}
 {{- $v := .Values -}}
-{{- $dp := dict "host" "0.0.0.0" "port" (int $v.dataplane.port) "mode" $v.dataplane.mode "engine" $v.dataplane.engine "admin_token_env" "ADAFLASH_ADMIN_TOKEN" "controlplane_url" (include "adaflash.controlplaneUrl" .) -}}
+{{- $dp := dict "host" "0.0.0.0" "port" (int $v.dataplane.port) "mode" $v.dataplane.mode "admin_token_env" "ADAFLASH_ADMIN_TOKEN" "controlplane_url" (include "adaflash.controlplaneUrl" .) -}}
 {{- if $v.dataplane.drafter }}{{- $_ := set $dp "drafter" $v.dataplane.drafter -}}{{- end -}}
 {{- if $v.dataplane.adminPort }}{{- $_ := set $dp "admin_port" (int $v.dataplane.adminPort) -}}{{- end -}}
-{{- $model := dict "target_id" $v.model.targetId "dtype" $v.model.dtype -}}
+{{- $model := dict "target_id" $v.model.targetId "device" $v.model.device "dtype" $v.model.dtype -}}
 {{- if $v.model.path }}{{- $_ := set $model "path" $v.model.path -}}{{- end -}}
 {{- $cfg := dict
     "model" $model
