@@ -149,9 +149,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, init: bool = True):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # init=False: weights are about to be loaded. Skipping the embedding's random fill
+        # matters under a meta device, where it would import torch._dynamo (seconds at start).
+        self.embed_tokens = (nn.Embedding(a.vocab_size, a.hidden_size) if init else
+                             nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size)))
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -165,14 +168,15 @@ class ForwardOutput:
 class TargetModel(nn.Module):
     """Decoder-only LM. ``forward_packed`` is the only entry point the engine needs."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, init: bool = True):
         super().__init__()
         self.args = a
-        self.model = Backbone(a)
+        self.model = Backbone(a, init)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(a.head_dim, a.rope_theta)
+        # built by from_pretrained outside its meta device (tables there would import torch._dynamo)
+        self.rotary = Rotary(a.head_dim, a.rope_theta) if init else None
         # Batch-invariant numerics (see forward_packed); the engine sets it from
         # DataplaneConfig.batch_invariant.
         self.batch_invariant = False
@@ -187,7 +191,7 @@ class TargetModel(nn.Module):
         d = Path(directory)
         args = ModelArgs.from_hf(json.loads((d / "config.json").read_text()))
         with torch.device("meta"):
-            model = cls(args)
+            model = cls(args, init=False)
         state = {}
         for f in sorted(d.glob("*.safetensors")):
             state.update(load_file(str(f), device=str(device)))
