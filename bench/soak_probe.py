@@ -174,7 +174,7 @@ def fleet_state(settings, api: str, admin: str, mlflow_uri: str) -> dict:
     db_versions = {v["version"]: v["state"] for v in versions}
     db_aliases = {a: next((v["version"] for v in versions if a in (v.get("aliases") or [])), None)
                   for a in ("champion", "previous")}
-    reg = Registry(mlflow_uri, target_identity(ensure_target(settings)))
+    reg = Registry(mlflow_uri, target_identity(ensure_target(settings))["id"])
     rvs = reg.list_versions()
     from adaflash.contracts.registry import TAG_STATE
 
