@@ -59,8 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         pass
     try:
         from bench.soak import register_bench as reg_soak
+        from bench.soak_fairness import register_bench as reg_fairness
 
         reg_soak(bsub)
+        reg_fairness(bsub)
     except ImportError:
         pass
 

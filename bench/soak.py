@@ -21,16 +21,14 @@ from pathlib import Path
 
 import httpx
 
+from bench import soak_invariants as checks
+from bench import soak_probe as probe
 from bench.soak_faults import FAULTS, Injector
+from bench.soak_probe import FeedbackScraper
 from bench.soak_traffic import FLOOD_TENANT, Traffic, is_json_error, load_prompts
 
 FLOOD_MAX_QUEUED = 2
 FLOOD_MAX_TOKENS = 100
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
 
 
 def start_stack(settings, nodes: int, learners: int, database: str, timeout_s: float) -> dict:
@@ -65,14 +63,15 @@ REFUSED = ("rejected", "gate_failed")
 
 
 def invariants(events: list[dict], faults: list[dict], home: Path, slo_ttft_s: float, left: list[int],
-               learner_dirs: list[Path], final_states: dict, corrupted: dict | None = None) -> dict:
+               learner_dirs: list[Path], final_states: dict, corrupted: dict | None = None,
+               flood: bool = True) -> dict:
     fair = [e for e in events if e["tenant"] != FLOOD_TENANT and e["kind"] != "malformed"]
     failed = [e for e in fair if e["status"] != 200]
     malformed = [e for e in events if e["kind"] == "malformed"]
     bad_malformed = [e for e in malformed if not (400 <= e["status"] < 500 and is_json_error(e))]
-    flood = [e for e in events if e["tenant"] == FLOOD_TENANT]
+    flooded = [e for e in events if e["tenant"] == FLOOD_TENANT]
     ttft = [e["ttft_s"] for e in fair if e["ttft_s"] is not None]
-    p99 = _pct(ttft, 0.99)
+    p99 = checks.pct(ttft, 0.99)
     ledgers, dup, cross = {}, 0, 0
     for d in learner_dirs:
         ids = _ledger(d / "state.db")
@@ -90,9 +89,10 @@ def invariants(events: list[dict], faults: list[dict], home: Path, slo_ttft_s: f
                                         "errors": sorted({str(e["error"]) for e in failed})[:10]},
         "malformed_get_4xx_json": {"held": not bad_malformed, "requests": len(malformed),
                                    "not_4xx_json": len(bad_malformed)},
-        "flood_is_isolated": {"held": bool(flood) and any(e["status"] == 429 for e in flood)
-                              and p99 is not None and p99 <= slo_ttft_s,
-                              "flood_requests": len(flood), "flood_429": sum(e["status"] == 429 for e in flood),
+        "flood_is_isolated": {"held": (not flood or (bool(flooded) and any(e["status"] == 429 for e in flooded)))
+                              and p99 is not None and p99 <= slo_ttft_s, "flood": flood,
+                              "flood_requests": len(flooded),
+                              "flood_429": sum(e["status"] == 429 for e in flooded),
                               "others_ttft_p99_s": p99, "slo_ttft_s": slo_ttft_s},
         "killed_parts_recovered": {"held": all(f["recovered_s"] is not None for f in killed)
                                    and all(s == "ready" for s in final_states.values()),
@@ -146,21 +146,58 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _final_checks(settings, ep: dict, admin: str, scraper: FeedbackScraper, learner_dirs: list[Path],
+                  broker_restarted: bool, wait_s: float = 60.0) -> dict:
+    """The records, offsets and fleet invariants, read while the stack still runs. The fleet is
+    given ``wait_s`` to converge (a node picking up a new champion, MLflow mirroring a state)."""
+    k = settings.kafka
+    scraper.stop()
+    kafka = led = None
+    for _ in range(5):  # a snapshot of the ledgers between two equal reads of the group's offsets
+        k1 = probe.kafka_offsets(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic, k.consumer_group)
+        led = probe.ledgers(learner_dirs)
+        kafka = probe.kafka_offsets(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic, k.consumer_group)
+        if k1 is not None and kafka is not None and k1["committed"] == kafka["committed"]:
+            break
+        time.sleep(2.0)
+    out = {"records_accounted": checks.records_accounted(scraper.totals(), led, kafka),
+           "ledgers_match_offsets": checks.ledgers_match_offsets(
+               None if kafka is None else kafka["committed"], led["stored_offsets"],
+               sum(led["by_outcome"].values()), broker_restarted)}
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fleet = checks.fleet_converged(**probe.fleet_state(settings, ep["controlplane_api"], admin,
+                                                               ep["mlflow_tracking_uri"]))
+        except Exception as e:  # noqa: BLE001 - reported as not held
+            fleet = {"held": False, "error": f"{type(e).__name__}: {e}"}
+        if fleet["held"] or time.monotonic() > deadline:
+            return out | {"fleet_converged": fleet}
+        time.sleep(3.0)
+
+
 def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[str], out: Path,
-        slo_ttft_s: float = 30.0, database: str = "sqlite", ready_timeout_s: float = 900.0) -> dict:
+        slo_ttft_s: float = 30.0, database: str = "sqlite", ready_timeout_s: float = 900.0,
+        flood: bool = True, stream_bound_s: float = 120.0) -> dict:
     from adaflash import stack
 
     out.mkdir(parents=True, exist_ok=True)
     state = start_stack(settings, 2, 2, database, ready_timeout_s)
     ep = state["endpoints"]
+    home = Path(ep["state_dir"])
+    learner_dirs = [home / "learner", home / "learner-2"]
     admin = Path(ep["admin_token_file"]).read_text().strip()
-    # the flooding tenant may hold two requests in flight (prompt + max_tokens ~ 45 tokens each)
-    httpx.put(f"{ep['controlplane_api']}/tenants/{FLOOD_TENANT}/policy", headers={"Authorization": f"Bearer {admin}"},
-              json={"max_queued": FLOOD_MAX_QUEUED, "max_tokens": FLOOD_MAX_TOKENS}, timeout=10).raise_for_status()
-    traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts())
+    if flood:  # the flooding tenant may hold two requests in flight (prompt + max_tokens ~ 45 tokens each)
+        httpx.put(f"{ep['controlplane_api']}/tenants/{FLOOD_TENANT}/policy",
+                  headers={"Authorization": f"Bearer {admin}"},
+                  json={"max_queued": FLOOD_MAX_QUEUED, "max_tokens": FLOOD_MAX_TOKENS}, timeout=10
+                  ).raise_for_status()
+    traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts(), flood_threads=4 if flood else 0)
     inj = Injector(settings, traffic.now, admin)
+    scraper = FeedbackScraper(settings, ep["dataplane_urls"])
     duration = minutes * 60.0
     traffic.start()
+    scraper.start()
     try:
         for i, name in enumerate(faults):
             at = (i + 1) * duration / (len(faults) + 1)
@@ -173,16 +210,20 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
         final = {n: p.get("state") for n, p in stack.live_status(settings).get("processes", {}).items()
                  if p.get("state") not in ("missing", "external")}
         corrupted = _corrupted(inj, settings)
-        res = stack.down(settings)
-    home = Path(ep["state_dir"])
+        try:
+            late = _final_checks(settings, ep, admin, scraper, learner_dirs,
+                                 any(f["ok"] and f["name"] == "broker" for f in inj.records()))
+        finally:
+            res = stack.down(settings)
     events, fault_rows = traffic.summary(), inj.records()
+    inv = invariants(events, fault_rows, home, slo_ttft_s, res["leftover"], learner_dirs, final, corrupted,
+                     flood=flood) | late
+    inv["no_hung_stream"] = checks.no_hung_stream(events, traffic.still_open(), stream_bound_s)
     result = {"minutes": minutes, "concurrency": concurrency, "tenants": tenants, "faults_requested": faults,
-              "database": database, "endpoints": {k: ep.get(k) for k in ("dataplane_urls", "node_ids",
-                                                                          "learner_ids", "database_url")},
-              "faults": fault_rows,
-              "invariants": invariants(events, fault_rows, home, slo_ttft_s, res["leftover"],
-                                       [home / "learner", home / "learner-2"], final, corrupted),
-              "events": events}
+              "flood": flood, "database": database,
+              "endpoints": {k: ep.get(k) for k in ("dataplane_urls", "node_ids", "learner_ids", "database_url")},
+              "faults": fault_rows, "ttft_by_tenant": checks.ttft_by_tenant(events),
+              "invariants": inv, "events": events}
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     plot(result, out / "timeline.png")
     return result
@@ -196,6 +237,8 @@ def register_bench(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, from {', '.join(FAULTS)}")
     s.add_argument("--slo-ttft-s", type=float, default=30.0, help="TTFT p99 the non-flooding tenants must keep")
     s.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    s.add_argument("--no-flood", action="store_true", help="traffic without the flooding tenant (a baseline)")
+    s.add_argument("--stream-bound-s", type=float, default=120.0, help="every stream must end within this")
     s.add_argument("--out", default="out/soak")
     s.set_defaults(func=_cli)
 
@@ -213,7 +256,7 @@ def _cli(args, settings) -> int:
     out = Path(args.out).resolve()
     settings = load_config(args.config, home=out / "home")
     result = run(settings, args.minutes, args.concurrency, args.tenants, faults, out, args.slo_ttft_s,
-                 args.database)
+                 args.database, flood=not args.no_flood, stream_bound_s=args.stream_bound_s)
     summary = {k: v for k, v in result.items() if k != "events"}
     print(json.dumps(summary, indent=2, default=str))
     return 0 if all(v["held"] for v in result["invariants"].values()) else 1

@@ -61,6 +61,8 @@ class Traffic:
         self._rng = random.Random(seed)
         self._kinds = itertools.cycle(KINDS)
         self._threads: list[threading.Thread] = []
+        self._open: dict[int, tuple[float, str, str]] = {}  # request id -> (start, kind, tenant)
+        self._ids = itertools.count()
 
     def start(self) -> None:
         self._t0 = time.monotonic()
@@ -126,6 +128,16 @@ class Traffic:
     def _one(self, client: httpx.Client, kind: str, tenant: str, node: int) -> None:
         path, body = self._body(kind)
         t0 = self.now()
+        rid = next(self._ids)
+        with self._lock:
+            self._open[rid] = (t0, kind, tenant)
+        try:
+            self._attempts(client, kind, tenant, node, path, body, t0)
+        finally:
+            with self._lock:
+                self._open.pop(rid, None)
+
+    def _attempts(self, client, kind, tenant, node, path, body, t0) -> None:
         for attempt in range(2):
             url = self.urls[(node + attempt) % len(self.urls)] + path
             try:
@@ -134,6 +146,8 @@ class Traffic:
                 status, ttft, err = 0, None, f"{type(e).__name__}"
                 if attempt == 0:
                     continue  # node down: the next one (a malformed request too: it is owed a 4xx)
+            except httpx.TimeoutException as e:  # a hung answer: recorded, never retried
+                status, ttft, err = 0, None, f"{type(e).__name__}"
             self._record(Event(t0, kind, tenant, (node + attempt) % len(self.urls), status,
                                None if ttft is None else ttft - t0, self.now() - t0, attempt > 0, err))
             return
@@ -159,6 +173,11 @@ class Traffic:
                 if line == "data: [DONE]":
                     break
             return 200, ttft, None
+
+    def still_open(self) -> list[dict]:
+        """Requests that had not ended when asked (after ``stop``: hung past its join timeout)."""
+        with self._lock:
+            return [{"t": t, "kind": k, "tenant": tn, "open_s": self.now() - t} for t, k, tn in self._open.values()]
 
     def summary(self) -> list[dict]:
         with self._lock:

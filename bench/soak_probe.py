@@ -1,0 +1,184 @@
+"""What the soak reads from the running fleet for its invariants (``bench/soak_invariants.py``).
+
+- ``FeedbackScraper``: every ``interval_s`` (2 s) it GETs each node's /metrics and keeps,
+  per node *process* (the node's name and the supervisor's restart count for it), the
+  largest value seen of ``adaflash_feedback_emitted``, ``_submitted`` and ``_dropped`` (by
+  reason). A node killed and restarted starts its counters at zero in a new process, so
+  the run's totals are the sums of the per-process maxima; what a process counted after
+  its last scrape and before it died is missed (at most ``interval_s`` of records, which
+  then show as unaccounted, never hidden). The spool depth is the last one each node
+  reported (the spool is a file and survives a restart).
+- ``ledgers``: each learner's state.db: the distinct record ids it finished (``seen``,
+  by outcome), the ``trained`` ledger, and the next offsets it stored per partition.
+- ``kafka_offsets``: the learner group's committed offsets and the end offsets of the
+  feedback topic, and the DLQ's length, read before the stack goes down.
+- ``fleet_state``: the control plane's nodes (served and desired version), the audit
+  chain's verification, and each version's state and aliases in the database and MLflow.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import httpx
+
+NODE_PARTS = ("dataplane", "dataplane-2")
+
+
+def parse_feedback(text: str) -> dict:
+    """Totals of the feedback counters in one /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {"emitted": 0.0, "submitted": 0.0, "dropped": {}, "spool": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "adaflash_feedback_emitted_total":
+                out["emitted"] += s.value
+            elif s.name == "adaflash_feedback_submitted_total":
+                out["submitted"] += s.value
+            elif s.name == "adaflash_feedback_dropped_total":
+                r = s.labels.get("reason", "?")
+                out["dropped"][r] = out["dropped"].get(r, 0.0) + s.value
+            elif s.name == "adaflash_feedback_spool_records":
+                out["spool"] = s.value
+    return out
+
+
+class FeedbackScraper:
+    def __init__(self, settings, urls: list[str], interval_s: float = 2.0):
+        self.settings, self.urls, self.interval_s = settings, urls, interval_s
+        self.maxima: dict[tuple[str, int], dict] = {}  # (node part, incarnation) -> largest counters
+        self.spool: dict[str, float] = {}
+        self._incarnation: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="soak-scraper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """One last scrape, then stop (call before the stack goes down)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.scrape()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.scrape()
+
+    def scrape(self) -> None:
+        from adaflash.stack import live_status
+
+        procs = live_status(self.settings).get("processes", {})
+        for part, url in zip(NODE_PARTS, self.urls, strict=False):
+            restarts = int((procs.get(part) or {}).get("restarts", 0))
+            try:
+                page = parse_feedback(httpx.get(f"{url}/metrics", timeout=5).text)
+            except (httpx.HTTPError, ValueError):
+                continue  # the node is down: its last scrape stands
+            self.observe(part, restarts, page)
+
+    def observe(self, part: str, restarts: int, page: dict) -> None:
+        inc = max(restarts, self._incarnation.get(part, 0))
+        prev = self.maxima.get((part, inc))
+        if prev is not None and page["emitted"] + page["submitted"] < prev["emitted"] + prev["submitted"]:
+            inc += 1  # counters went back: a new process the supervisor has not reported yet
+            prev = None
+        self._incarnation[part] = inc
+        if prev is None:
+            self.maxima[(part, inc)] = {"emitted": page["emitted"], "submitted": page["submitted"],
+                                        "dropped": dict(page["dropped"])}
+        else:
+            prev["emitted"] = max(prev["emitted"], page["emitted"])
+            prev["submitted"] = max(prev["submitted"], page["submitted"])
+            for r, n in page["dropped"].items():
+                prev["dropped"][r] = max(prev["dropped"].get(r, 0.0), n)
+        self.spool[part] = page["spool"]
+
+    def totals(self) -> dict:
+        dropped: dict[str, int] = {}
+        for m in self.maxima.values():
+            for r, n in m["dropped"].items():
+                dropped[r] = dropped.get(r, 0) + int(n)
+        return {"emitted": int(sum(m["emitted"] for m in self.maxima.values())),
+                "submitted": int(sum(m["submitted"] for m in self.maxima.values())),
+                "dropped": dropped, "spool_pending": int(sum(self.spool.values())),
+                "processes": len(self.maxima)}
+
+
+def ledgers(learner_dirs: list[Path]) -> dict:
+    """Distinct finished record ids across learners, by outcome; stored offsets per learner."""
+    outcomes: dict[str, str] = {}
+    stored: dict[str, dict[int, int]] = {}
+    for d in learner_dirs:
+        path = d / "state.db"
+        if not path.exists():
+            continue
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            for rid, outcome in db.execute("SELECT record_id, outcome FROM seen"):
+                outcomes[rid] = outcome
+            stored[d.name] = {int(p): int(o) for p, o in db.execute("SELECT partition, next_offset FROM offsets")}
+        except sqlite3.OperationalError:
+            stored[d.name] = {}
+        finally:
+            db.close()
+    by: dict[str, int] = {}
+    for o in outcomes.values():
+        by[o] = by.get(o, 0) + 1
+    return {"consumed": len(outcomes), "by_outcome": by, "stored_offsets": stored}
+
+
+def kafka_offsets(bootstrap: str, topic: str, dlq_topic: str, group: str, timeout_ms: int = 10_000) -> dict | None:
+    """{committed: {partition: offset}, lag, dlq} or None when the broker cannot be read."""
+    from kafka import KafkaAdminClient, TopicPartition
+    from kafka.admin import OffsetSpec
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="adaflash-soak",
+                                 request_timeout_ms=timeout_ms)
+    except Exception:  # noqa: BLE001 - unreadable is reported, not raised
+        return None
+    try:
+        def parts(t: str) -> list:
+            return [TopicPartition(t, p["partition_index"]) for d in admin.describe_topics([t])
+                    for p in d["partitions"]]
+
+        tps, dlq = parts(topic), parts(dlq_topic)
+        ends = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps + dlq})
+        got = admin.list_group_offsets({group: tps}).get(group, {})
+        committed = {tp.partition: (got[tp].offset if tp in got and got[tp].offset >= 0 else 0) for tp in tps}
+        lag = sum(max(0, ends[tp].offset - committed[tp.partition]) for tp in tps)
+        return {"committed": committed, "lag": lag, "dlq": sum(ends[tp].offset for tp in dlq)}
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        admin.close()
+
+
+def fleet_state(settings, api: str, admin: str, mlflow_uri: str) -> dict:
+    """Inputs of ``fleet_converged``: nodes, audit verification, database and MLflow versions."""
+    from controlplane.registry import Registry
+    from dataplane.target_cache import ensure_target, target_identity
+
+    hdr = {"Authorization": f"Bearer {admin}"}
+    nodes = []
+    for n in httpx.get(f"{api}/nodes", headers=hdr, timeout=10).json():
+        d = httpx.get(f"{api}/nodes/{n['node_id']}/desired", headers=hdr, timeout=10).json()
+        nodes.append({"node_id": n["node_id"], "served_version": n.get("served_version"),
+                      "desired_version": (d or {}).get("version")})
+    audit = httpx.get(f"{api}/audit/verify", headers=hdr, timeout=30).json()
+    versions = httpx.get(f"{api}/versions", headers=hdr, params={"limit": 500}, timeout=10).json()
+    db_versions = {v["version"]: v["state"] for v in versions}
+    db_aliases = {a: next((v["version"] for v in versions if a in (v.get("aliases") or [])), None)
+                  for a in ("champion", "previous")}
+    reg = Registry(mlflow_uri, target_identity(ensure_target(settings))["id"])
+    rvs = reg.list_versions()
+    from adaflash.contracts.registry import TAG_STATE
+
+    ml_versions = {rv.version: rv.tags.get(TAG_STATE) for rv in rvs}
+    ml_aliases = {a: next((rv.version for rv in rvs if a in rv.aliases), None) for a in ("champion", "previous")}
+    return {"nodes": nodes, "audit": audit, "db_versions": db_versions, "mlflow_versions": ml_versions,
+            "db_aliases": db_aliases, "mlflow_aliases": ml_aliases}
