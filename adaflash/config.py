@@ -80,6 +80,10 @@ class DataplaneConfig(BaseModel):
     reconcile_interval_s: float = 5.0
     # Break-even rule: verify a single token (plain decoding) when expected gain < 1.
     breakeven: bool = True
+    # How verify tokens are shared (dataplane/spec_policy.py): per_request, each request's
+    # own best length; budget, the step's tokens allocated across requests by expected
+    # accepted tokens per verify token under the node's measured cost curve.
+    policy: Literal["per_request", "budget"] = "per_request"
     # Batch-invariant numerics of the target (dataplane/model.py forward_packed): a token's
     # logits no longer depend on the other requests in a step nor on how many tokens its
     # request verifies, so greedy fixed/adaptive equal ar exactly, not up to float near-ties.
@@ -164,8 +168,9 @@ class LearnerConfig(BaseModel):
     # whole block against the target's top-1, computed exactly) or "rounds" (the verify
     # rounds a record carries, anchors rebuilt from them). Rounds are censored at the
     # k_hat the node chose (a cost-aware node verifies short blocks) and were produced by
-    # an older drafter, so "simulated" is the default.
-    head_label: Literal["rounds", "simulated"] = "simulated"
+    # an older drafter, so "simulated" is the default. "policy": the rounds the node's
+    # speculation policy would serve the response in with the current drafter.
+    head_label: Literal["rounds", "simulated", "policy"] = "simulated"
     # Length-head objective: "bce" (cross-entropy with the soft label, on the logit; its
     # gradient does not vanish when the sigmoid saturates) or "mse" (the paper's, through
     # the sigmoid). Both are minimised by the mean acceptance; see learner.losses.head_loss.

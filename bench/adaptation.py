@@ -21,10 +21,11 @@ held-out split of ``adaflash.datasets``, never streamed):
   argmax; the anchor then moves by accepted + 1), which is what the engine's ``fixed``
   mode realises at temperature 0;
 - ``tps_model``: tokens per second of ``adaptive`` at concurrency 1 on the same
-  answers: at every round the cost-aware rule picks the verified length m from the
-  length head's prediction and the node's step-time curve measured at the start of the
-  run, and the round yields min(accepted, m - 1) + 1 tokens for the measured time of
-  verifying m tokens plus the drafter's forward;
+  answers: the rounds the node's speculation policy (``dataplane.spec_policy.simulate``:
+  break-even, back-off, probe, calibration) serves each answer in, priced by the node's
+  step-time curve measured at the start of the run; a round of verified length m yields
+  min(accepted, m - 1) + 1 tokens for the measured time of verifying m tokens plus the
+  drafter's forward when it drafted;
 - ``head_mae``: the length head's error against the realised accepted share;
   ``head_mean`` and ``label_mean``: the mean prediction and the mean realised share
   over the same rounds (a head far below its labels makes the node stop drafting).
@@ -201,15 +202,12 @@ class StepCost:
     draft_s: float
 
     def as_cost_model(self):
-        """A CostModel fitted to these times (concurrency 1: base + per_token * m)."""
-        import numpy as np
-
+        """The measured curve at concurrency 1: verify of m tokens -> its measured time."""
         from dataplane.cost_model import CostModel
 
-        m = np.arange(1, len(self.verify_s) + 1, dtype=float)
-        slope, intercept = np.polyfit(m, np.array(self.verify_s), 1)
-        c = CostModel(base_s=max(intercept, 1e-4), per_request_s=0.0, per_token_s=max(slope, 1e-6),
-                      draft_per_request_s=self.draft_s)
+        c = CostModel(draft_per_request_s=self.draft_s)
+        for m, t in enumerate(self.verify_s, 1):
+            c.set_point(1, m, t)
         return c
 
 
@@ -246,11 +244,12 @@ def measure_cost(target, drafter, prompt_ids: list[int], k: int, repeats: int = 
 @torch.no_grad()
 def score(drafter, sups, cost: StepCost) -> dict:
     """Held-out tau, modelled adaptive TPS at concurrency 1 and head MAE (see module doc)."""
-    from dataplane.cost_model import CostModel
+    from dataplane import spec_policy as sp
     from learner.trainer import greedy_accepted
 
     cm = cost.as_cost_model()
     k = drafter.config.block_size
+    policy = sp.PolicyConfig(block_size=k)
     was_training = drafter.training
     drafter.eval()
     rounds = accepted = first = 0
@@ -275,18 +274,14 @@ def score(drafter, sups, cost: StepCost) -> dict:
             rounds += 1
             accepted += a
             first += int(a >= 1)
-            errs.append(abs(a_hat[pos - lo] - a / (k - 1)))
+            errs.append(abs(a_hat[pos - lo] - sp.head_label(a, k)))
             preds.append(a_hat[pos - lo])
-            labels.append(a / (k - 1))
+            labels.append(sp.head_label(a, k))
             pos += a + 1
-        pos = lo
-        while pos <= hi:  # adaptive: m from the head and the cost curve
-            a = acc[pos - lo]
-            m, _ = cm.best_length(CostModel.position_accept(a_hat[pos - lo], k), min(k, sup.length - pos), 1)
-            got = min(a, m - 1) + 1
-            tokens += got
-            seconds += cost.verify_s[m - 1] + (cost.draft_s if m > 1 else 0.0)  # m = 1: backed off
-            pos += got
+        # adaptive: the rounds the node's speculation policy serves this response in
+        for r in sp.simulate(a_hat, acc, hi - lo + 1, policy, cm):
+            tokens += r.accepted + 1
+            seconds += cost.verify_s[r.k_hat - 1] + (cost.draft_s if r.k_hat > 1 else 0.0)  # 1: backed off
     drafter.train(was_training)
     return {"tau": (accepted + rounds) / max(rounds, 1), "acc1": first / max(rounds, 1),
             "head_mae": sum(errs) / max(len(errs), 1), "head_mean": sum(preds) / max(len(preds), 1),

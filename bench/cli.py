@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bsub = b.add_subparsers(dest="bench", metavar="BENCH")
     t = bsub.add_parser("throughput", help="TPS, tau and latency of ar / fixed / adaptive")
     t.add_argument("--prompts", default=None, help="JSON lines {prompt, domain}; default: built-in held-out set")
-    t.add_argument("--modes", type=_csv(str), default=["ar", "fixed", "adaptive"])
+    t.add_argument("--modes", type=_csv(str), default=["ar", "fixed", "adaptive"],
+                   help="from ar, fixed, adaptive, adaptive-budget (adaptive with the cross-request verify budget)")
     t.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32])
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--per-domain", type=int, default=10, help="held-out prompts per domain (built-in set)")
@@ -69,11 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def throughput(args, settings) -> int:
     from adaflash.cli import CliError
-    from bench.throughput import run
+    from bench.throughput import MODE_ORDER, run
 
-    bad = [m for m in args.modes if m not in ("ar", "fixed", "adaptive")]
+    bad = [m for m in args.modes if m not in MODE_ORDER]
     if bad or not args.modes:
-        raise CliError(f"unknown mode(s) {bad}; choose from ar, fixed, adaptive")
+        raise CliError(f"unknown mode(s) {bad}; choose from {', '.join(MODE_ORDER)}")
     if not args.concurrency or min(args.concurrency) < 1:
         raise CliError("--concurrency needs positive integers")
     if args.max_tokens < 1:

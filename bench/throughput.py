@@ -1,5 +1,8 @@
 """``adaflash bench throughput``: TPS, tau and latency of ar / fixed / adaptive per concurrency.
 
+``adaptive-budget`` (in --modes) runs adaptive with the cross-request verify budget
+(``dataplane.policy: budget``) beside the per-request rule, in the same run.
+
 All modes run on the same engine in one process, back to back, so the comparison is a
 ratio against the strongest baseline of the same engine (our batched ``ar`` decoding,
 itself checked against transformers ``generate``). Each (mode, concurrency, domain) run
@@ -89,10 +92,15 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_t
             "step_ms_p50": _pct(steps, 0.5), "requests": len(done), "outputs": [s.output_ids for s in done]}
 
 
+MODE_ORDER = ["ar", "fixed", "adaptive", "adaptive-budget"]
+
+
 def _engine(node, dp, mode: str, drafter, version, settings, tok):
+    """``adaptive-budget``: adaptive with the cross-request verify budget (``dataplane.policy``)."""
     from dataplane.engine import Engine
 
-    return Engine(node.target, dp.model_copy(update={"mode": mode}), drafter=drafter, drafter_version=version,
+    update = {"mode": "adaptive", "policy": "budget"} if mode == "adaptive-budget" else {"mode": mode}
+    return Engine(node.target, dp.model_copy(update=update), drafter=drafter, drafter_version=version,
                   eos_token_ids=[tok.eos_token_id], max_model_len=settings.model.max_model_len)
 
 
@@ -202,7 +210,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
               "weights_mb": {"target": round(target_b / 1e6, 1), "drafter_own": round(max(draft_b, 0) / 1e6, 1)},
               "rows": rows, "greedy_outputs_identical_to_ar": lossless,
               "verify_cost": verify_cost_curve(node.target), "packed_verify": packed_verify_cost(node.target),
-              "cost_model": node.engine.cost.snapshot(),
+              "cost_model": node.engine.cost.snapshot().model_dump(),
               "forward_paths": forward_paths(node.target_dir, any(f in machine["cpu_flags"] for f in BF16_FLAGS))}
     if compare_transformers and "ar" in modes:
         result["baselines"] = _baselines(node, dp, settings, tok, by_domain, max_tokens, llama_gguf)
@@ -218,7 +226,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r["domain"] == "all"]
-    modes = sorted({r["mode"] for r in rows}, key=["ar", "fixed", "adaptive"].index)
+    modes = sorted({r["mode"] for r in rows}, key=MODE_ORDER.index)
     cs = sorted({r["concurrency"] for r in rows})
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
     width = 0.8 / len(modes)

@@ -78,7 +78,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _redact_reports(session: Session, settings: Settings, tenant_id: str) -> int:
     """Remove the tenant's slice from every stored report (row, report.json, plots)."""
     from adaflash.contracts.evaluation import EvaluationReport
-    from controlplane.api.routes.evaluations import evaluations_dir
+    from controlplane.shadow.store import evaluations_dir
 
     root = evaluations_dir(settings)
     n = 0

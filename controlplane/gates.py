@@ -37,6 +37,10 @@ class GateThresholds(BaseModel):
     require_lineage: bool = True
     training_data_ttl: bool = True
     candidate_ttl_hours: float = Field(gt=0.0)
+    # Realised against predicted: the champion's live tau (what nodes serving it report)
+    # over its shadow-predicted tau must be at least this, else shadow evaluation is
+    # mispredicting what nodes do and its comparison is not trusted. None: gate off.
+    min_champion_realised_ratio: float | None = Field(default=None, gt=0.0)
 
 
 class RolloutPolicy(BaseModel):
@@ -105,6 +109,7 @@ class VersionInfo:
     lineage: Mapping[str, Any] = field(default_factory=dict)
     tenant_ttl_days: Mapping[str, float] = field(default_factory=dict)  # stored tenant policies
     default_ttl_days: float = 30.0  # for tenants without a stored policy
+    champion_realised_ratio: float | None = None  # champion's realised / predicted tau (None: unknown)
 
 
 def all_passed(results: list[GateResult]) -> bool:
@@ -134,7 +139,19 @@ def evaluate_gates(report: Mapping[str, Any] | EvaluationReport, version_info: V
     results.append(_lineage(lineage, g.require_lineage))
     results.append(_training_ttl(lineage, version_info, g.training_data_ttl, now))
     results.append(_candidate_ttl(version_info, g.candidate_ttl_hours, now))
+    if g.min_champion_realised_ratio is not None:
+        results.append(_realised(version_info.champion_realised_ratio, g.min_champion_realised_ratio))
     return results
+
+
+def _realised(ratio: float | None, minimum: float) -> GateResult:
+    if ratio is None:
+        return GateResult("champion_realised_ratio", True, None, minimum,
+                          "no realised figure for the champion yet (no champion, or no node reported)")
+    ok = ratio >= minimum - EPS
+    return GateResult("champion_realised_ratio", ok, ratio, minimum,
+                      f"champion realised {ratio:.3f} of its predicted tau"
+                      + ("" if ok else "; shadow predictions are not matching live serving"))
 
 
 def _parse_report(report, version: str) -> EvaluationReport | str:

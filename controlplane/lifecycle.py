@@ -155,6 +155,10 @@ def complete_evaluation(session: Session, evaluation_id: int, report: Mapping[st
     parsed = report if isinstance(report, EvaluationReport) else EvaluationReport.model_validate(report)
     ev.report = parsed.model_dump(mode="json")
     ev.plots, ev.status, ev.completed_at = dict(plots), "completed", utcnow()
+    v = session.get(Version, ev.version)
+    if v is not None:  # what the version is expected to do live (compared with what it does: fleet.py)
+        v.predicted_tau = parsed.candidate.tau
+        v.predicted_tps = next((p.tokens_per_s for p in parsed.candidate.throughput if p.concurrency == 1), None)
     audit.record(session, actor=actor, action="evaluation.complete", target=f"evaluation:{ev.id}",
                  after={"version": ev.version, "n_records": parsed.n_records, "plots": sorted(plots)})
     return ev
@@ -167,8 +171,11 @@ def apply_gates(session: Session, version: str, evaluation_id: int | None, polic
     v = get_version(session, version)
     ev = session.get(Evaluation, evaluation_id) if evaluation_id is not None else None
     ttls = {t.tenant_id: t.ttl_days for t in session.scalars(select(Tenant))}
+    champ = session.get(Version, ev.champion_version) if ev is not None and ev.champion_version else None
+    ratio = (champ.realised_tau / champ.predicted_tau
+             if champ is not None and champ.realised_tau is not None and champ.predicted_tau else None)
     info = VersionInfo(version=v.version, created_at=v.created_at, lineage=v.lineage or {},
-                       tenant_ttl_days=ttls, default_ttl_days=default_ttl_days)
+                       tenant_ttl_days=ttls, default_ttl_days=default_ttl_days, champion_realised_ratio=ratio)
     results = evaluate_gates((ev.report if ev else None) or {}, info, policy, now)
     for r in results:
         session.add(GateResultRow(version=version, evaluation_id=evaluation_id, policy_version=policy.policy_version,

@@ -60,6 +60,15 @@ class Version(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     state_changed_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]
+    # Shadow-predicted tau and tokens/s (concurrency 1) of its evaluation, and the mean of the
+    # live tau / tokens/s / requests in flight that nodes serving it report (controlplane/fleet.py).
+    predicted_tau: Mapped[float | None] = mapped_column(Float)
+    predicted_tps: Mapped[float | None] = mapped_column(Float)
+    realised_tau: Mapped[float | None] = mapped_column(Float)
+    realised_tps: Mapped[float | None] = mapped_column(Float)
+    realised_load: Mapped[float | None] = mapped_column(Float)
+    realised_samples: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    realised_at: Mapped[datetime | None]
 
 
 class Alias(Base):
@@ -89,6 +98,9 @@ class Node(Base):
     live_load: Mapped[float | None] = mapped_column(Float)  # requests in flight at the last heartbeat
     # tau / TPS per load bucket while serving one version (controlplane/canary_judge.py)
     load_profile: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The measured cost curve of its last heartbeat (adaflash.contracts.cost_curve.CostCurve)
+    cost_curve: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    cost_curve_at: Mapped[datetime | None]
     status: Mapped[str] = mapped_column(String(32), default="unknown")  # as the node reports it
     status_message: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,33 +1,31 @@
-"""The node's measured cost of a step, and the break-even rule built on it.
+"""The node's measured cost of a step: step time per (batch, verify tokens).
 
-Step time is modelled as ``base + per_request * B + per_token * T`` for a verify pass of
-T tokens over B requests, fitted online by least squares on recent steps, plus the
-drafter's time per drafted request. Speculating for one request pays only if the tokens
-it is expected to gain outweigh the extra verify and draft time it adds:
+Step time does not grow linearly with the verify tokens (on a CPU four rows can cost far
+more than three), so the node keeps a table of measured step times, one moving average
+per (batch, tokens) it has run, and answers ``step_time(batch, tokens)`` by interpolating
+it: linearly between the nearest measured token counts of that batch, then between the
+nearest measured batches. Outside the measured range the nearest point is extended with
+the linear model's slope. The linear model ``base + per_request * B + per_token * T``,
+started from priors and refitted by ridge least squares on recent steps, is the fallback
+where nothing was measured.
 
-    gain = E[tokens | m] / (1 + extra / ar_share)
-
-where ``extra`` is the time its m - 1 drafts and its drafter share add, and ``ar_share``
-its share of a plain one-token step.
-
-``best_length`` picks the verified length itself. Acceptance inside a block is modelled
-as geometric with per-position probability p (a draft is kept only if every earlier one
-was, and later positions are kept less often, as PAPER.md measures), p chosen so that
-the expected number of accepted drafts out of k - 1 equals the head's a * (k - 1):
-
-    p + p^2 + ... + p^(k-1) = a * (k - 1)
-    expected tokens of verifying m = 1 + p + ... + p^(m-1)
-
-and m maximises expected tokens per unit of step time. With a weak drafter (a * (k - 1)
-well below 1) the first draft can still pay where a verify token is cheap (few requests),
-which the paper's floor(gamma * a * k) rule, made for strong drafters, rounds to 1.
+The policy built on this curve (which lengths pay) lives in ``dataplane.spec_policy``;
+``snapshot`` / ``from_snapshot`` carry the curve in heartbeats
+(``adaflash.contracts.cost_curve.CostCurve``).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
+
+from adaflash.contracts.cost_curve import MAX_COST_POINTS, CostCurve, CostPoint
+
+MIN_POINT_COUNT = 2  # a table entry is used once it averaged this many steps (the first is warm-up prone)
+POINT_EMA = 0.2  # weight of a new step in its entry, after the first 1/POINT_EMA steps (plain mean before)
+DRAFT_EMA = 0.1
 
 
 class CostModel:
@@ -37,15 +35,34 @@ class CostModel:
         self.coef = self.prior.copy()
         self.draft_per_request_s = draft_per_request_s
         self.obs: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.table: dict[tuple[int, int], tuple[float, int]] = {}  # (batch, tokens) -> (seconds, count)
+        self._rows: dict[int, list[tuple[int, float]]] | None = None  # batch -> sorted (tokens, seconds)
 
+    # -- measuring --
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
         self.obs.append((batch, tokens, seconds))
+        key = (batch, tokens)
+        old = self.table.get(key)
+        if old is None:
+            if len(self.table) >= MAX_COST_POINTS:
+                return
+            self.table[key] = (seconds, 1)
+        else:
+            s, n = old
+            w = max(POINT_EMA, 1.0 / (n + 1))
+            self.table[key] = ((1.0 - w) * s + w * seconds, n + 1)
+        self._rows = None
         if len(self.obs) >= 8 and len(self.obs) % 4 == 0:
             self._fit()
 
     def observe_draft(self, batch: int, seconds: float) -> None:
         if batch > 0:
-            self.draft_per_request_s = 0.9 * self.draft_per_request_s + 0.1 * seconds / batch
+            self.draft_per_request_s = (1 - DRAFT_EMA) * self.draft_per_request_s + DRAFT_EMA * seconds / batch
+
+    def set_point(self, batch: int, tokens: int, seconds: float, count: int = MIN_POINT_COUNT) -> None:
+        """Put a measured point in the table directly (benchmarks that time steps themselves)."""
+        self.table[(batch, tokens)] = (seconds, count)
+        self._rows = None
 
     def _fit(self) -> None:
         a = np.array([[1.0, b, t] for b, t, _ in self.obs])
@@ -55,58 +72,70 @@ class CostModel:
         coef = np.linalg.solve(a.T @ a + lam * np.eye(3), a.T @ y + lam * self.prior)
         self.coef = np.maximum(coef, 1e-5)
 
-    def step_time(self, batch: int, tokens: int) -> float:
+    # -- answering --
+    @property
+    def measured(self) -> bool:
+        return bool(self._table_rows())
+
+    def linear_time(self, batch: int, tokens: int) -> float:
         base, per_req, per_tok = self.coef
         return float(base + per_req * batch + per_tok * tokens)
 
-    @staticmethod
-    def position_accept(accept_ratio: float, k: int) -> float:
-        """Per-position acceptance p whose expected accepted drafts out of k - 1 equal
-        accept_ratio * (k - 1) (bisection on the truncated geometric mean), at most 0.995."""
-        n = k - 1
-        target = min(max(accept_ratio, 0.0), 1.0) * n
-        if target <= 0.0 or n <= 0:
-            return 0.0
-        lo, hi = 0.0, 0.995
-        if CostModel.expected_accepted(hi, n) <= target:
-            return hi
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            if CostModel.expected_accepted(mid, n) < target:
-                lo = mid
-            else:
-                hi = mid
-        return 0.5 * (lo + hi)
+    def _table_rows(self) -> dict[int, list[tuple[int, float]]]:
+        if self._rows is None:
+            rows: dict[int, list[tuple[int, float]]] = {}
+            for (b, t), (s, n) in self.table.items():
+                if n >= MIN_POINT_COUNT:
+                    rows.setdefault(b, []).append((t, s))
+            self._rows = {b: sorted(r) for b, r in rows.items()}
+        return self._rows
 
-    @staticmethod
-    def expected_accepted(p: float, drafts: int) -> float:
-        """Expected accepted drafts out of ``drafts`` under per-position acceptance p:
-        p + p^2 + ... + p^drafts."""
-        if p >= 1.0:
-            return float(drafts)
-        return p * (1.0 - p ** drafts) / (1.0 - p)
+    def _along_tokens(self, row: list[tuple[int, float]], tokens: int) -> float:
+        toks = [t for t, _ in row]
+        i = bisect.bisect_left(toks, tokens)
+        if i < len(row) and toks[i] == tokens:
+            return row[i][1]
+        per_tok = float(self.coef[2])
+        if i == 0:
+            return max(1e-6, row[0][1] - per_tok * (row[0][0] - tokens))
+        if i == len(row):
+            return row[-1][1] + per_tok * (tokens - row[-1][0])
+        (t0, s0), (t1, s1) = row[i - 1], row[i]
+        return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
 
-    def best_length(self, p: float, cap: int, batch: int) -> tuple[int, float]:
-        """(m, gain) maximising expected tokens per step time over m in 1..cap, for
-        per-position acceptance p.
+    def step_time(self, batch: int, tokens: int) -> float:
+        """Seconds of one verify pass over ``batch`` requests and ``tokens`` tokens."""
+        rows = self._table_rows()
+        if not rows:
+            return self.linear_time(batch, tokens)
+        if batch in rows:
+            return self._along_tokens(rows[batch], tokens)
+        batches = sorted(rows)
+        i = bisect.bisect_left(batches, batch)
+        per_req = float(self.coef[1])
+        if i == 0:
+            return max(1e-6, self._along_tokens(rows[batches[0]], tokens) - per_req * (batches[0] - batch))
+        if i == len(batches):
+            return self._along_tokens(rows[batches[-1]], tokens) + per_req * (batch - batches[-1])
+        b0, b1 = batches[i - 1], batches[i]
+        s0, s1 = self._along_tokens(rows[b0], tokens), self._along_tokens(rows[b1], tokens)
+        return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
 
-        gain counts the drafter's share, so a gain below 1 means drafting for this request
-        did not pay even at the best length (the caller backs off); m ignores it, because
-        by the time m is chosen the drafter has already run.
-        """
-        base, per_req, per_tok = self.coef
-        ar_share = base / max(batch, 1) + per_req + per_tok
-        best_m, best_rate, tokens = 1, 1.0, 1.0
-        for m in range(2, cap + 1):
-            tokens += p ** (m - 1)
-            rate = tokens / (1.0 + per_tok * (m - 1) / ar_share)
-            if rate > best_rate:
-                best_m, best_rate = m, rate
-        exp_tokens = 1.0 + self.expected_accepted(p, best_m - 1)
-        gain = exp_tokens / (1.0 + (per_tok * (best_m - 1) + self.draft_per_request_s) / ar_share)
-        return best_m, gain
+    # -- travelling --
+    def snapshot(self) -> CostCurve:
+        base, per_req, per_tok = (float(x) for x in self.coef)
+        pts = sorted(list(self.table.items()), key=lambda kv: -kv[1][1])[:MAX_COST_POINTS]  # copy: engine thread writes
+        return CostCurve(base_s=base, per_request_s=per_req, per_token_s=per_tok,
+                         draft_per_request_s=float(self.draft_per_request_s),
+                         points=[CostPoint(batch=b, tokens=t, seconds=s, count=n)
+                                 for (b, t), (s, n) in sorted(pts)],
+                         observations=len(self.obs))
 
-    def snapshot(self) -> dict:
-        base, per_req, per_tok = self.coef
-        return {"base_s": base, "per_request_s": per_req, "per_token_s": per_tok,
-                "draft_per_request_s": self.draft_per_request_s, "observations": len(self.obs)}
+    @classmethod
+    def from_snapshot(cls, curve: CostCurve | dict) -> CostModel:
+        c = curve if isinstance(curve, CostCurve) else CostCurve.model_validate(curve)
+        m = cls(base_s=c.base_s, per_request_s=c.per_request_s, per_token_s=c.per_token_s,
+                draft_per_request_s=c.draft_per_request_s)
+        for p in c.points:
+            m.table[(p.batch, p.tokens)] = (p.seconds, p.count)
+        return m

@@ -110,11 +110,6 @@ class LengthHead(nn.Module):
         return torch.sigmoid(self.logit(h))
 
 
-def k_hat_from(a_hat: torch.Tensor, k: int, gamma: float) -> torch.Tensor:
-    """Verified length k_hat = clamp(floor(gamma * a_hat * k), 1, k); a_hat [B] -> [B] int64."""
-    return torch.clamp(torch.floor(gamma * a_hat * k), 1, k).to(torch.int64)
-
-
 class Drafter(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()

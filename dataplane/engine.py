@@ -30,6 +30,7 @@ from dataplane.model import TargetModel
 from dataplane.sampling import first_token, token_logprobs
 from dataplane.scheduler import Scheduler
 from dataplane.sequence import Sequence, Status
+from dataplane.spec_policy import PolicyConfig
 from dataplane.spec_step import SpecStep
 
 log = logging.getLogger("adaflash.engine")
@@ -50,7 +51,7 @@ class Engine:
         self.metrics = metrics or NodeMetrics(cfg.block_size)
         self.metrics.set_drafter(self.drafter_version)
         self.cost = CostModel()
-        self.step_runner = SpecStep(target, cfg.mode, cfg.block_size, cfg.gamma, self.cost, cfg.breakeven)
+        self.step_runner = SpecStep(target, PolicyConfig.of(cfg), self.cost)
         self.admission = TenantAdmission(cfg, self.metrics.registry, tps=lambda: self.metrics.live()["tps"])
         self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta,
                                    weight_of=self.admission.weight)
@@ -245,16 +246,12 @@ class Engine:
     def _decode(self) -> None:
         runner = self.step_runner
         candidates = [s for s in self.scheduler.running if s.status == Status.RUNNING]
-        plan = runner.plan(candidates, self.drafter, self.drafter_version, self.max_model_len)
-        sizes = {id(s): k for s, k in zip(plan.seqs, plan.k_hat, strict=True)}
-        chosen = self.scheduler.select(sizes)
-        if len(chosen) < len(candidates):  # overflow waits: narrow the plan to what was chosen
-            keep = [i for i, s in enumerate(plan.seqs) if id(s) in {id(c) for c in chosen}]
-            plan.seqs = [plan.seqs[i] for i in keep]
-            plan.k_hat = [plan.k_hat[i] for i in keep]
-            plan.a_hat = [plan.a_hat[i] for i in keep]
-            plan.drafts = plan.drafts[keep]
-            plan.draft_probs = [plan.draft_probs[i] for i in keep]
+        # The policy reserves each request's verify tokens before the drafter runs; the
+        # scheduler picks the batch from them, and only the chosen requests draft.
+        reserved = runner.reserve(candidates, self.drafter, self.drafter_version, self.max_model_len)
+        sizes = {id(s): r for s, r in zip(candidates, reserved, strict=True)}
+        chosen = [s for s in self.scheduler.select(sizes) if id(s) in sizes]
+        plan = runner.plan(chosen, [sizes[id(s)] for s in chosen], self.drafter)
         old_len = [s.target_kv.length for s in plan.seqs]
         layers = self._hidden_layers()
         result, hidden, cu = runner.run(plan, layers)

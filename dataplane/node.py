@@ -186,7 +186,7 @@ class Node:
         done = max(1, self.engine.finished_count)
         return {"node_id": self.node_id, "version": self.engine.drafter_version, "mode": self.engine.mode,
                 "tau": live["tau"], "tps": live["tps"], "error_rate": min(1.0, self.engine.error_count / done),
-                **self.engine.load}
+                "cost_curve": self.engine.cost.snapshot().model_dump(mode="json"), **self.engine.load}
 
 
 def _probe_http(uri: str, timeout: float = 5.0) -> None:

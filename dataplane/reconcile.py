@@ -1,6 +1,7 @@
 """Level-triggered reconciliation with the control plane.
 
-Every interval the node heartbeats its served version and live tau / TPS / error rate;
+Every interval the node heartbeats its served version, live tau / TPS / error rate and
+its measured cost curve (dataplane/cost_model.py);
 the answer carries the version the control plane wants it to serve. If they differ the
 node loads the desired one (same checks as POST /admin/drafter). A restarted node or
 control plane converges without replaying events: only the current desired state matters.
@@ -54,7 +55,8 @@ class Reconciler:
         body = {"served_version": st["version"], "url": self.public_url, "live_tau": st["tau"],
                 "live_tps": st["tps"], "error_rate": st["error_rate"],
                 "live_load": float(st.get("running", 0) + st.get("waiting", 0)), "status": status,
-                "message": (self.node.last_load_error or "")[:2000] or None}
+                "message": (self.node.last_load_error or "")[:2000] or None,
+                "cost_curve": st.get("cost_curve")}
         try:
             r = self.client.post(f"{self.base}/api/v1/nodes/{self.node.node_id}/heartbeat", json=body)
             r.raise_for_status()

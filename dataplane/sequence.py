@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dataplane.kv_cache import SeqKV
+from dataplane.spec_policy import RequestState
 
 
 @dataclass
@@ -64,8 +65,7 @@ class Sequence:
     rounds: list[Round] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
-    skip_rounds: int = 0  # break-even back-off: rounds left without drafting
-    backoff: int = 1
+    policy: RequestState = field(default_factory=RequestState)  # speculation policy state (spec_policy)
     generator: torch.Generator | None = None
     grammar_state: object | None = None  # dataplane.grammar.GrammarState, engine thread only
     logprobs: list = field(default_factory=list)  # dataplane.sampling.TokenLogprob per output token

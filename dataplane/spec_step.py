@@ -2,6 +2,7 @@
 
     drafter forward (one pass, all drafting requests)  -> block hidden h [B, k, H]
     length head                                        -> a_hat [B] -> k_hat [B]
+    (lengths and back-off: dataplane.spec_policy; the batch was chosen before drafting)
     draft logits for positions 1..max(k_hat)-1         -> draft tokens (argmax or sampled)
     pack [last token, drafts[:k_hat-1]] per request    -> flat stream of sum(k_hat) tokens
     one target forward over the stream                 -> logits [T, V], hidden [T, n, H]
@@ -19,15 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dataplane import spec_policy as sp
 from dataplane.cost_model import CostModel
-from dataplane.drafter import Drafter, k_hat_from
+from dataplane.drafter import Drafter
 from dataplane.kernels import greedy_accept, pack_drafts
 from dataplane.model import TargetModel
 from dataplane.sampling import constrained_rows, grammar_drafts, seeded_draft
 from dataplane.sequence import Round, Sequence
 from dataplane.verify import process_logits, request_uniforms, sample_draft_tokens, verify, verify_sampling
-
-MAX_BACKOFF = 16
 
 
 @dataclass
@@ -50,27 +50,20 @@ class StepResult:
 
 
 class SpecStep:
-    def __init__(self, target: TargetModel, mode: str, block_size: int, gamma: float, cost: CostModel,
-                 breakeven: bool = True):
+    """Runs what ``dataplane.spec_policy`` decides: it holds the node's policy state and
+    cost curve, and no rule of its own."""
+
+    def __init__(self, target: TargetModel, policy: sp.PolicyConfig, cost: CostModel):
         self.target = target
-        self.mode = mode
-        self.k = block_size
-        self.gamma = gamma
+        self.policy = policy
+        self.mode = policy.mode
+        self.k = policy.block_size
         self.cost = cost
-        self.breakeven = breakeven
-        self.calib = 1.0  # EMA of realised / predicted acceptance, node-wide
-        self.calib_rounds = 0  # steps that fed it since the drafter was set
-        # Node-wide back-off (adaptive + breakeven): a drafter pass that paid for no request
-        # (every request's gain below 1) was pure cost; skip the drafter for this many steps
-        # (doubling up to MAX_BACKOFF while passes stay useless, reset by a useful one).
-        self.node_skip = 0
-        self.node_backoff = 1
-        self.pass_paid = False  # set by _breakeven: drafting paid for some request this step
+        self.node = sp.NodeState()
 
     def reset_calibration(self) -> None:
         """A new drafter (and head): trust its head again and re-learn quickly."""
-        self.calib, self.calib_rounds = 1.0, 0
-        self.node_skip, self.node_backoff = 0, 1
+        self.node.reset()
 
     # --- planning ---------------------------------------------------------------------------
     def caps(self, seq: Sequence, max_len: int) -> int:
@@ -79,32 +72,27 @@ class SpecStep:
         ctx_left = max_len - seq.num_tokens
         return max(1, min(self.k, left, ctx_left))
 
-    def plan(self, seqs: list[Sequence], drafter: Drafter | None, version: str | None, max_len: int) -> StepPlan:
+    def reserve(self, seqs: list[Sequence], drafter: Drafter | None, version: str | None,
+                max_len: int) -> list[int]:
+        """Before the drafter runs: the most tokens each request may verify this step."""
+        if drafter is None:
+            return [1] * len(seqs)
+        return sp.reserve([s.policy for s in seqs], [self.caps(s, max_len) for s in seqs],
+                          [s.drafter_version == version for s in seqs], self.policy, self.node, self.cost)
+
+    def plan(self, seqs: list[Sequence], reserved: list[int], drafter: Drafter | None) -> StepPlan:
+        """Draft for the requests the scheduler chose with a reservation above one token."""
         B = len(seqs)
         k_hat = [1] * B
         a_hat = [0.0] * B
         drafts = torch.zeros(B, max(self.k - 1, 1), dtype=torch.int64)
         probs: list[torch.Tensor | None] = [None] * B
         t0 = time.perf_counter()
-        if self.mode != "ar" and drafter is not None:
-            idx = [i for i, s in enumerate(seqs) if s.drafter_version == version and s.skip_rounds == 0
-                   and self.caps(s, max_len) > 1]
-            for s in seqs:
-                s.skip_rounds = max(0, s.skip_rounds - 1)
-            node_backs_off = self.mode == "adaptive" and self.breakeven
-            if node_backs_off and self.node_skip > 0:
-                self.node_skip -= 1
-                idx = []
-            if idx:
-                self._draft(seqs, idx, drafter, k_hat, a_hat, drafts, probs, max_len)
-                if node_backs_off:
-                    if self.pass_paid:
-                        self.node_backoff = 1
-                    else:
-                        self.node_skip = self.node_backoff
-                        self.node_backoff = min(MAX_BACKOFF, 2 * self.node_backoff)
+        idx = [i for i, r in enumerate(reserved) if r > 1]
+        if idx and drafter is not None:
+            self._draft(seqs, idx, [reserved[i] for i in idx], drafter, k_hat, a_hat, drafts, probs)
         draft_s = time.perf_counter() - t0
-        if self.mode != "ar" and drafter is not None:
+        if idx and drafter is not None:
             self.cost.observe_draft(sum(1 for k in k_hat if k > 1), draft_s)
         return StepPlan(seqs, k_hat, a_hat, drafts, probs, draft_s)
 
@@ -121,76 +109,45 @@ class SpecStep:
         if kvs:
             drafter.extend_context(torch.cat(rows), cu, kvs)
 
-    def _draft(self, seqs, idx, drafter, k_hat, a_hat, drafts, probs, max_len) -> None:
+    def _draft(self, seqs, idx, reserved, drafter, k_hat, a_hat, drafts, probs) -> None:
         sub = [seqs[i] for i in idx]
         self.catch_up(drafter, sub)
         last = torch.tensor([s.last_token for s in sub], dtype=torch.int64)
         h = drafter.forward_block(last, [s.drafter_kv for s in sub])  # [Bd, k, H]
         with torch.inference_mode():
-            ah = drafter.length_head(h).float()  # [Bd]
-        caps = torch.tensor([self.caps(s, max_len) for s in sub])
-        if self.mode == "fixed":
-            kh = caps.clone()
-        elif self.breakeven:
-            kh = self._breakeven(sub, ah, caps, len(seqs))
-        else:
-            kh = torch.minimum(k_hat_from(ah, self.k, self.gamma), caps)
-        n = int(kh.max())
+            ah = drafter.length_head(h).float().tolist()  # [Bd]
+        kh, paid = sp.choose([s.policy for s in sub], ah, reserved, len(seqs), self.policy, self.node, self.cost)
+        sp.after_pass(self.policy, self.node, paid)
+        for j, i in enumerate(idx):
+            a_hat[i] = ah[j]
+        n = max(kh)
         if n <= 1:
-            for j, i in enumerate(idx):
-                a_hat[i] = float(ah[j])
             return
         with torch.inference_mode():
             logits = drafter.logits(h[:, 1:n])  # [Bd, n-1, Vd]
         for j, i in enumerate(idx):
-            s, kj = sub[j], int(kh[j])
-            k_hat[i], a_hat[i] = kj, float(ah[j])
-            if kj <= 1:
-                continue
-            if s.grammar_state is not None and (s.greedy or s.seeded):  # drafts the grammar allows
-                temp, top_p = (s.params.temperature, s.params.top_p) if s.seeded else (1.0, 1.0)
-                q = drafter.expand_probs(process_logits(logits[j, : kj - 1], temp, top_p))
-                drafts[i, : kj - 1] = grammar_drafts(s, q)
-            elif s.greedy:
-                drafts[i, : kj - 1] = drafter.to_target_ids(logits[j, : kj - 1].argmax(-1))
-            elif s.seeded:  # the target's position noise: drafts are verified by equality
-                q = drafter.expand_probs(process_logits(logits[j, : kj - 1], s.params.temperature, s.params.top_p))
-                drafts[i, : kj - 1] = seeded_draft(q, s.params.seed, len(s.output_ids))
-            else:
-                q = process_logits(logits[j, : kj - 1], s.params.temperature, s.params.top_p)
-                tok = sample_draft_tokens(q, s.generator)
-                drafts[i, : kj - 1] = drafter.to_target_ids(tok)
-                full = drafter.expand_probs(q)
-                probs[i] = torch.cat([full, full.new_zeros(1, full.shape[-1])])  # row k_hat-1 unused
+            s, kj = sub[j], kh[j]
+            k_hat[i] = kj
+            if kj > 1:
+                self._fill_drafts(s, drafter, logits[j, : kj - 1], drafts[i, : kj - 1], probs, i)
 
-    def _breakeven(self, sub: list[Sequence], ah: torch.Tensor, caps: torch.Tensor, batch: int) -> torch.Tensor:
-        """Cost-aware verified length (``breakeven``): instead of the paper's k_hat alone, the
-        m in 1..cap that maximises expected tokens per unit of the node's measured step
-        time (m = 1 is plain decoding; see ``CostModel.best_length``).
-
-        The per-position acceptance p comes from gamma * a_hat (calibrated node-wide),
-        blended with the request's own recent rounds (geometric estimate: accepted drafts
-        over accepted drafts + rejections). Where even the best m does not pay for the
-        drafter's share, the request stops drafting for a few rounds (back-off doubling
-        up to MAX_BACKOFF, reset by a good round); this round's draft is already paid for.
-        """
-        out = caps.clone()
-        self.pass_paid = False
-        for j, s in enumerate(sub):
-            p = min(0.98, CostModel.position_accept(self.gamma * float(ah[j]), self.k) * self.calib)
-            recent = [r for r in s.rounds[-4:] if r.k_hat > 1]
-            if recent:
-                acc = sum(r.accepted for r in recent)
-                rejections = sum(1 for r in recent if r.accepted < r.k_hat - 1)
-                if acc + rejections:
-                    p = 0.5 * p + 0.5 * acc / (acc + rejections)
-            m, gain = self.cost.best_length(p, int(caps[j]), batch)
-            out[j] = m
-            self.pass_paid |= gain >= 1.0
-            if gain < 1.0:
-                s.skip_rounds = s.backoff
-                s.backoff = min(MAX_BACKOFF, s.backoff * 2)
-        return out
+    @staticmethod
+    def _fill_drafts(s: Sequence, drafter: Drafter, logits: torch.Tensor, out: torch.Tensor,
+                     probs: list, i: int) -> None:
+        """The request's draft tokens from the drafter's logits [m, Vd], as its sampling asks."""
+        if s.grammar_state is not None and (s.greedy or s.seeded):  # drafts the grammar allows
+            temp, top_p = (s.params.temperature, s.params.top_p) if s.seeded else (1.0, 1.0)
+            out[:] = grammar_drafts(s, drafter.expand_probs(process_logits(logits, temp, top_p)))
+        elif s.greedy:
+            out[:] = drafter.to_target_ids(logits.argmax(-1))
+        elif s.seeded:  # the target's position noise: drafts are verified by equality
+            q = drafter.expand_probs(process_logits(logits, s.params.temperature, s.params.top_p))
+            out[:] = seeded_draft(q, s.params.seed, len(s.output_ids))
+        else:
+            q = process_logits(logits, s.params.temperature, s.params.top_p)
+            out[:] = drafter.to_target_ids(sample_draft_tokens(q, s.generator))
+            full = drafter.expand_probs(q)
+            probs[i] = torch.cat([full, full.new_zeros(1, full.shape[-1])])  # row k_hat-1 unused
 
     # --- verification -----------------------------------------------------------------------
     def run(self, plan: StepPlan, hidden_layers: tuple[int, ...]) -> tuple[StepResult, torch.Tensor | None,
@@ -213,7 +170,7 @@ class SpecStep:
         for b in range(len(seqs)):
             s = cu_list[b]
             committed.append(tok[s + 1 : s + 1 + accepted[b]] + [bonus[b]])
-        self._update_calibration(plan, accepted)
+        sp.calibrate(self.node, list(zip(plan.k_hat, plan.a_hat, accepted, strict=True)), self.policy)
         return StepResult(committed, accepted, int(token_ids.numel()), verify_s, out.logits), out.hidden, cu_list
 
     def _verify(self, seqs, plan, logits, token_ids, cu) -> tuple[list[int], list[int]]:
@@ -269,25 +226,6 @@ class SpecStep:
                             torch.tensor([s.params.top_p for s in seqs]), uniforms=u)
         return r.accepted.tolist(), r.bonus.tolist()
 
-    def _update_calibration(self, plan: StepPlan, accepted: list[int]) -> None:
-        """EMA of realised / predicted accepted drafts over the rounds that drafted.
-
-        The first steps after a drafter is set average with weight 1/n (a bias-corrected
-        start), so a head that over- or under-predicts is corrected within a few steps
-        rather than the EMA's ~20; later steps weigh 0.05.
-        """
-        pred = real = 0.0
-        for k, a_hat, acc in zip(plan.k_hat, plan.a_hat, accepted, strict=True):
-            if k > 1:
-                pred += CostModel.expected_accepted(CostModel.position_accept(self.gamma * a_hat, self.k), k - 1)
-                real += acc
-        if pred > 0:
-            self.calib_rounds += 1
-            w = max(0.05, 1.0 / self.calib_rounds)
-            self.calib = min(4.0, max(0.05, (1.0 - w) * self.calib + w * (real / pred)))
-
-    @staticmethod
-    def record_round(seq: Sequence, k_hat: int, accepted: int, a_hat: float) -> None:
+    def record_round(self, seq: Sequence, k_hat: int, accepted: int, a_hat: float) -> None:
         seq.rounds.append(Round(k_hat=k_hat, accepted=accepted, a_hat=a_hat))
-        if k_hat > 1 and accepted >= (k_hat - 1) / 2:
-            seq.backoff = 1
+        sp.observe(seq.policy, k_hat, accepted, self.policy, self.node)

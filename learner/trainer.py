@@ -24,6 +24,10 @@ moves only the head). Its label a* comes from
   draft was, it equals the target's argmax at a + j - 1, and the realised sequence
   followed it (so the stored target states are those the verifier would have seen;
   on greedy responses this always holds). a* = accepted / (k - 1).
+- ``"policy"``: the rounds the node's speculation policy (``dataplane.spec_policy``, at
+  the cost model's priors) would serve the response in with the current drafter, and
+  a* = accepted / (k_hat - 1) at each drafting round: the labels a node produces, for
+  the drafter being trained.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from collections import defaultdict
 import torch
 
 from adaflash.config import LearnerConfig
+from dataplane import spec_policy as sp
+from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
 from learner.losses import distill_loss, head_loss
 from learner.supervision import Supervised, Supervisor
@@ -63,7 +69,7 @@ def round_anchors(sup: Supervised) -> tuple[torch.Tensor, torch.Tensor]:
             break
         if r.k_hat > 1:
             anchors.append(pos)
-            labels.append(min(1.0, r.accepted / (r.k_hat - 1)))
+            labels.append(min(1.0, sp.head_label(r.accepted, r.k_hat)))
         pos += r.accepted + 1
     return torch.tensor(anchors, dtype=torch.int64), torch.tensor(labels, dtype=torch.float32)
 
@@ -82,6 +88,26 @@ def greedy_accepted(drafts: torch.Tensor, sup: Supervised, anchors: torch.Tensor
     followed = (pos <= L - 1) & (sup.tokens[pos.clamp(max=L - 1)] == drafts)
     prefix_ok = torch.cat([torch.ones(A, 1, dtype=torch.bool), followed[:, :-1]], dim=1)
     return torch.cumprod((match & prefix_ok).long(), dim=1).sum(1)
+
+
+@torch.no_grad()
+def policy_rounds(drafter: Drafter, sup: Supervised, policy: sp.PolicyConfig, cost,
+                  node: sp.NodeState | None = None) -> tuple[list[sp.SimRound], torch.Tensor, torch.Tensor]:
+    """The rounds a node running ``policy`` under ``cost`` would serve this response in with
+    the current drafter (``spec_policy.simulate`` over its greedy acceptance at every
+    anchor), and their anchors and labels a* for the rounds that drafted."""
+    lo, hi = max(1, sup.prompt_len), sup.length - 2
+    if hi < lo:
+        return [], torch.empty(0, dtype=torch.int64), torch.empty(0)
+    anchors = torch.arange(lo, hi + 1)
+    h = drafter.forward_train(sup.ctx_hidden, sup.tokens, anchors)
+    a_hat = drafter.length_head(h).float().tolist()
+    drafts = drafter.to_target_ids(drafter.logits(h[:, 1:]).argmax(-1))
+    accepted = greedy_accepted(drafts, sup, anchors).tolist()
+    rounds = sp.simulate(a_hat, accepted, hi - lo + 1, policy, cost, node=node)
+    drafted = [r for r in rounds if r.k_hat > 1]
+    return (rounds, torch.tensor([lo + r.anchor for r in drafted], dtype=torch.int64),
+            torch.tensor([min(1.0, sp.head_label(r.accepted, r.k_hat)) for r in drafted], dtype=torch.float32))
 
 
 class Trainer:
@@ -133,9 +159,13 @@ class Trainer:
         with torch.no_grad():
             drafts = d.to_target_ids(q_logits.view(len(anchors), k - 1, -1).argmax(-1))
             accepted = greedy_accepted(drafts, sup, anchors)
-        head_h, a_star = h, accepted.float() / (k - 1)
+        head_h, a_star = h, sp.head_label(accepted.float(), k)
+        r_anchors = None
         if self.cfg.head_label == "rounds" and sup.record.rounds:
             r_anchors, r_labels = round_anchors(sup)
+        elif self.cfg.head_label == "policy":
+            _, r_anchors, r_labels = policy_rounds(d, sup, sp.PolicyConfig(block_size=k), CostModel())
+        if r_anchors is not None:
             if r_anchors.numel():
                 with torch.no_grad():
                     head_h = d.forward_train(sup.ctx_hidden, sup.tokens, r_anchors)

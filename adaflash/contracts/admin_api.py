@@ -133,11 +133,30 @@ class PromotionOut(BaseModel):
     updated_at: datetime
 
 
+class PredictedRealised(BaseModel):
+    """Shadow-predicted against realised live figures of a version.
+
+    predicted_*: its shadow evaluation (tau; tokens/s at concurrency 1 under the node's
+    measured cost curve). realised_*: the mean of the live tau, tokens/s and requests in
+    flight that nodes serving it reported, over ``realised_samples`` heartbeats.
+    tau_ratio = realised_tau / predicted_tau."""
+
+    predicted_tau: float | None = None
+    predicted_tps: float | None = None
+    realised_tau: float | None = None
+    realised_tps: float | None = None
+    realised_load: float | None = None
+    realised_samples: int = 0
+    realised_at: datetime | None = None
+    tau_ratio: float | None = None
+
+
 class VersionDetail(VersionOut):
     gate_results: list[GateResultOut]
     approvals: list[ApprovalOut]
     evaluation_ids: list[int]
     promotions: list[PromotionOut]
+    figures: PredictedRealised = PredictedRealised()
 
 
 class ApproveIn(Input):

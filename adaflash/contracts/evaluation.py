@@ -31,12 +31,16 @@ class Calibration(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mae: float = Field(ge=0.0)  # mean |predicted accepted length - realised accepted length| / block
     bins: list[ReliabilityBin] = Field(default_factory=list)
+    # Expected calibration error of the head's per-position acceptance, block position 1..k-1
+    # (dataplane.spec_policy.position_ece).
+    position_ece: list[float] = Field(default_factory=list)
 
 
 class ThroughputPoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
     concurrency: int = Field(ge=1)
-    tokens_per_s: float = Field(ge=0.0)  # predicted from the node's measured cost model
+    tokens_per_s: float = Field(ge=0.0)  # predicted from the node's measured cost curve
+    tau: float | None = Field(default=None, ge=0.0)  # tau of the policy's walk at this concurrency
 
 
 class DrafterMetrics(BaseModel):
@@ -68,12 +72,15 @@ class DrafterMetrics(BaseModel):
 
 
 class SliceMetrics(BaseModel):
-    """Champion and candidate tau on one tenant's or one domain's records."""
+    """Champion and candidate tau (and predicted tokens/s at concurrency 1) on one tenant's
+    or one domain's records."""
 
     model_config = ConfigDict(extra="forbid")
     n_records: int = Field(ge=0)
     champion_tau: float = Field(ge=0.0)
     candidate_tau: float = Field(ge=0.0)
+    champion_tps: float | None = Field(default=None, ge=0.0)
+    candidate_tps: float | None = Field(default=None, ge=0.0)
 
 
 class LiveShadow(BaseModel):
@@ -103,6 +110,9 @@ class EvaluationReport(BaseModel):
     per_tenant: dict[str, SliceMetrics] = Field(default_factory=dict)
     per_domain: dict[str, SliceMetrics] = Field(default_factory=dict)
     live: LiveShadow | None = None
+    # What priced the throughput: "node:<id>" (the cost curve that node measured and sent in
+    # its heartbeat) or "priors" (no node had reported a measured curve).
+    cost_source: str = "priors"
 
     @field_validator("created_at", "window_start", "window_end")
     @classmethod

@@ -38,6 +38,7 @@ from adaflash.contracts.admin_api import (  # noqa: F401  (re-exported for the r
     PendingPurgeOut,
     PinIn,
     PinOut,
+    PredictedRealised,
     PromotionOut,
     Reason,
     ReasonIn,
@@ -49,6 +50,7 @@ from adaflash.contracts.admin_api import (  # noqa: F401  (re-exported for the r
     VersionOut,
     WhoAmI,
 )
+from adaflash.contracts.cost_curve import CostCurve
 
 Offset = Annotated[int, Query(ge=0, le=1_000_000_000)]
 Limit = Annotated[int, Query(ge=1, le=500)]
@@ -64,6 +66,7 @@ class HeartbeatIn(Input):
     live_load: Number | None = Field(default=None, ge=0.0, le=1e6)  # requests in flight
     status: Literal["ready", "loading", "degraded", "error"] = "ready"
     message: Annotated[str, Field(max_length=2000, pattern=PRINTABLE)] | None = None
+    cost_curve: CostCurve | None = None  # the node's measured step times (dataplane/cost_model.py)
 
 
 class DesiredOut(BaseModel):

@@ -17,8 +17,11 @@ from controlplane.shadow import (
     write_plots,
 )
 from dataplane.drafter import new_drafter
+from dataplane.spec_policy import PolicyConfig
 from tests.controlplane.shadow_util import evaluation_ids, record, train_drafter
 from tests.dataplane.engine_util import make_engine, prompts, run
+
+PAPER_RULE = PolicyConfig(mode="adaptive", block_size=8, breakeven=False)  # the engines below run it
 
 
 class IdsTokenizer:
@@ -67,7 +70,7 @@ def test_replay_reproduces_the_engines_rounds(tiny_target, corpus, trained):
     for s in seqs:
         ids = s.prompt_ids + s.output_ids
         hidden, _ = target_pass(tiny_target, ids, layers, None)
-        rep = replay_drafter(trained, hidden, ids, len(s.prompt_ids), gamma=1.0)
+        rep = replay_drafter(trained, hidden, ids, len(s.prompt_ids), policy=PAPER_RULE)
         assert rep.rounds == len(s.rounds)
         assert rep.verified == sum(r.k_hat for r in s.rounds)
         assert rep.committed == sum(r.accepted + 1 for r in s.rounds) == len(s.output_ids) - 1
@@ -79,8 +82,8 @@ def test_near_greedy_sampling_agrees_with_exact_acceptance(tiny_target, corpus, 
     p, r = corpus[0]
     ids = p + r
     hidden, logits = target_pass(tiny_target, ids, list(trained.config.target_layers), len(p))
-    exact = replay_drafter(trained, hidden, ids, len(p), gamma=1.0)
-    sampled = replay_drafter(trained, hidden, ids, len(p), gamma=1.0, temperature=1e-4, target_logits=logits)
+    exact = replay_drafter(trained, hidden, ids, len(p), policy=PAPER_RULE)
+    sampled = replay_drafter(trained, hidden, ids, len(p), policy=PAPER_RULE, temperature=1e-4, target_logits=logits)
     for i in range(3):
         assert sampled.accept_num[i] == pytest.approx(exact.accept_num[i], abs=0.05)
     assert sampled.expected_tau is not None and sampled.rounds > 0
@@ -94,7 +97,7 @@ def test_report_prefers_the_trained_candidate(tiny_target, corpus, trained, untr
     recs.append(record(ids[-2], text(corpus[0][0]), text(corpus[0][1]), temperature=0.7, now=now))
     recs.append(record(ids[-1], "5", "6", now=now))  # too short to replay: skipped
     res = evaluate_drafters(tiny_target, IdsTokenizer(), recs, ("2", trained), ("1", untrained),
-                            target_id="tiny-llama", gamma=1.0, max_tokens=256, now=now)
+                            target_id="tiny-llama", policy=PAPER_RULE, max_tokens=256, now=now)
     rep = EvaluationReport.model_validate(res.report.model_dump(mode="json"))
     assert res.skipped == 1 and rep.n_records == len(corpus) + 1 and rep.n_sampled == 1
     assert rep.candidate.tau > rep.champion.tau >= 1.0
@@ -117,7 +120,7 @@ def test_first_candidate_is_compared_with_plain_decoding(tiny_target, corpus, tr
     ids = evaluation_ids(3)
     recs = [record(ids[i], text(p), text(r)) for i, (p, r) in enumerate(corpus[:3])]
     rep = evaluate_drafters(tiny_target, IdsTokenizer(), recs, ("1", trained), None, target_id="tiny-llama",
-                            gamma=1.0, max_tokens=256).report
+                            policy=PAPER_RULE, max_tokens=256).report
     assert rep.champion is None and rep.champion_version is None
     assert all(s.champion_tau == 1.0 for s in rep.per_tenant.values())
 
@@ -173,8 +176,8 @@ def test_champion_replays_are_reused(tiny_target, corpus, trained, untrained):
     recs = [record(ids[i], text(p), text(r)) for i, (p, r) in enumerate(corpus[:4])]
     cache: dict = {}
     first = evaluate_drafters(tiny_target, IdsTokenizer(), recs, ("2", trained), ("1", untrained),
-                              target_id="tiny-llama", gamma=1.0, max_tokens=256, cache=cache).report
+                              target_id="tiny-llama", policy=PAPER_RULE, max_tokens=256, cache=cache).report
     assert len(cache) == 8
     again = evaluate_drafters(tiny_target, IdsTokenizer(), recs, ("3", trained), ("1", untrained),
-                              target_id="tiny-llama", gamma=1.0, max_tokens=256, cache=cache).report
+                              target_id="tiny-llama", policy=PAPER_RULE, max_tokens=256, cache=cache).report
     assert len(cache) == 12 and again.champion.tau == first.champion.tau and again.candidate.tau == first.candidate.tau

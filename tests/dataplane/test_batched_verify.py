@@ -9,6 +9,7 @@ import torch
 import dataplane.spec_step as spec_step
 from dataplane.cost_model import CostModel
 from dataplane.sequence import SamplingParams, Sequence
+from dataplane.spec_policy import PolicyConfig
 from dataplane.spec_step import SpecStep, StepPlan
 from dataplane.verify import verify_sampling
 
@@ -71,7 +72,7 @@ def test_sampled_requests_verify_together_as_alone(seed, monkeypatch):
     calls = []
     real = spec_step.verify_sampling
     monkeypatch.setattr(spec_step, "verify_sampling", lambda *a, **k: calls.append(1) or real(*a, **k))
-    step = SpecStep(None, "adaptive", 8, 1.0, CostModel())
+    step = SpecStep(None, PolicyConfig(mode="adaptive", block_size=8, gamma=1.0), CostModel())
     accepted, bonus = step._verify(seqs, plan, logits, token_ids, cu)
     assert len(calls) == 1  # one rejection-sampling call for every sampled request
     for i in sampled:

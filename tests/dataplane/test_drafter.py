@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from dataplane.drafter import k_hat_from, new_drafter
+from dataplane.drafter import new_drafter
 from dataplane.drafter_io import DrafterLoadError, load_bundle, save_bundle
+from dataplane.spec_policy import paper_k_hat
 
 IDENT = {"id": "tiny-llama", "sha256": "0" * 64}
 
@@ -55,9 +56,9 @@ def test_length_head_and_k_hat(drafter):
     h = torch.randn(5, drafter.config.block_size, drafter.config.hidden_size)
     a = drafter.length_head(h)
     assert a.shape == (5,) and bool(((a > 0) & (a < 1)).all())
-    a_hat = torch.tensor([0.0, 0.05, 0.5, 0.99, 1.0])
-    assert k_hat_from(a_hat, 16, 1.0).tolist() == [1, 1, 8, 15, 16]
-    assert k_hat_from(a_hat, 16, 1.3).tolist() == [1, 1, 10, 16, 16]
+    a_hat = [0.0, 0.05, 0.5, 0.99, 1.0]
+    assert [paper_k_hat(a, 16, 1.0) for a in a_hat] == [1, 1, 8, 15, 16]
+    assert [paper_k_hat(a, 16, 1.3) for a in a_hat] == [1, 1, 10, 16, 16]
 
 
 def test_reduced_vocabulary_maps_back_to_target_ids(tiny_target, drafter):

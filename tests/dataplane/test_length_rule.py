@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from dataplane import spec_policy as sp
 from dataplane.cost_model import CostModel
 
 
 def _model(base: float, per_request: float, per_token: float, draft: float = 0.0) -> CostModel:
-    c = CostModel(base_s=base, per_request_s=per_request, per_token_s=per_token, draft_per_request_s=draft)
-    return c
+    return CostModel(base_s=base, per_request_s=per_request, per_token_s=per_token, draft_per_request_s=draft)
 
 
 def _brute(c: CostModel, p: float, cap: int, batch: int) -> int:
@@ -23,7 +23,7 @@ def _brute(c: CostModel, p: float, cap: int, batch: int) -> int:
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_best_length_is_the_argmax_of_tokens_per_time(p, batch):
     c = _model(0.08, 0.004, 0.0025)
-    m, _ = c.best_length(p, 16, batch)
+    m, _ = sp.best_length(c, p, 16, batch)
     assert m == _brute(c, p, 16, batch)
 
 
@@ -32,51 +32,46 @@ def test_cheap_verify_tokens_make_a_weak_drafter_worth_one_draft():
     where the paper's floor(gamma * a_hat * k) with a_hat = E / (k - 1) rounds to plain decoding."""
     c = _model(0.2, 0.001, 0.002)
     p = 0.25
-    m, gain = c.best_length(p, 16, 1)
+    m, gain = sp.best_length(c, p, 16, 1)
     assert m >= 2 and gain > 1.0
-    a_hat = CostModel.expected_accepted(p, 15) / 15
-    assert int(a_hat * 16) <= 1
+    a_hat = sp.expected_accepted(p, 15) / 15
+    assert sp.paper_k_hat(a_hat, 16, 1.0) <= 1
 
 
 def test_compute_bound_node_falls_back_to_plain_decoding():
     """Busy node (per-token time dominates a request's share): a weak drafter never pays."""
     c = _model(0.01, 0.0, 0.01, draft=0.002)
-    m, gain = c.best_length(0.25, 16, 64)
+    m, gain = sp.best_length(c, 0.25, 16, 64)
     assert m == 1 and gain < 1.0
 
 
 def test_strong_drafter_on_idle_node_verifies_the_whole_block():
     c = _model(0.2, 0.001, 0.002)
-    assert c.best_length(0.95, 16, 1)[0] == 16
-    assert c.best_length(0.95, 5, 1)[0] == 5  # never past the request's cap
+    assert sp.best_length(c, 0.95, 16, 1)[0] == 16
+    assert sp.best_length(c, 0.95, 5, 1)[0] == 5  # never past the request's cap
 
 
 def test_position_accept_inverts_the_expected_accepted_count():
     for a in (0.01, 0.05, 0.2, 0.5, 0.9):
-        p = CostModel.position_accept(a, 16)
-        assert CostModel.expected_accepted(p, 15) == pytest.approx(15 * a, rel=1e-6)
+        p = sp.position_accept(a, 16)
+        assert sp.expected_accepted(p, 15) == pytest.approx(15 * a, rel=1e-6)
         assert sum(p ** i for i in range(1, 16)) == pytest.approx(15 * a, rel=1e-6)
-    assert CostModel.position_accept(1.0, 16) == 0.995
-    assert CostModel.position_accept(0.0, 16) == 0.0
+    assert sp.position_accept(1.0, 16) == sp.CONSTANTS.head_p_max
+    assert sp.position_accept(0.0, 16) == 0.0
 
 
 def test_calibration_corrects_an_overconfident_head_within_a_few_steps_and_resets_at_a_swap():
-    import torch
-
-    from dataplane.spec_step import SpecStep, StepPlan
-
-    step = SpecStep(target=None, mode="adaptive", block_size=16, gamma=1.0, cost=_model(0.08, 0.004, 0.0025))
-    plan = StepPlan(seqs=[], k_hat=[8, 8], a_hat=[0.6, 0.6], drafts=torch.zeros(2, 15, dtype=torch.int64),
-                    draft_probs=[None, None], draft_s=0.0)
+    cfg = sp.PolicyConfig(block_size=16)
+    node = sp.NodeState()
     for _ in range(3):  # the head says 0.6; nothing is ever accepted
-        step._update_calibration(plan, [0, 0])
-    assert step.calib <= 0.05 + 1e-9  # the plain 0.05-EMA would still be above 0.85
-    step.reset_calibration()
-    assert step.calib == 1.0 and step.calib_rounds == 0
+        sp.calibrate(node, [(8, 0.6, 0), (8, 0.6, 0)], cfg)
+    assert node.calib <= cfg.consts.calib_floor + 1e-9  # the plain 0.05-EMA would still be above 0.85
+    node.reset()
+    assert node.calib == 1.0 and node.calib_rounds == 0
     for _ in range(40):  # the head is right: calibration stays at 1
-        pred = CostModel.expected_accepted(CostModel.position_accept(0.6, 16), 7)
-        step._update_calibration(plan, [round(pred)] * 2)
-    assert 0.8 < step.calib < 1.25
+        pred = sp.expected_accepted(sp.position_accept(0.6, 16), 7)
+        sp.calibrate(node, [(8, 0.6, round(pred))] * 2, cfg)
+    assert 0.8 < node.calib < 1.25
 
 
 def test_node_backs_off_the_drafter_when_no_request_would_verify_a_draft(tiny_target):
@@ -98,7 +93,7 @@ def test_node_backs_off_the_drafter_when_no_request_would_verify_a_draft(tiny_ta
         eng.cost.draft_per_request_s = 10.0
         eng.cost.observe_draft = lambda batch, seconds: None  # keep the drafter's cost pinned
         if not node_backoff:
-            eng.step_runner.node_backoff = 0  # skips stay at zero
+            eng.step_runner.node.backoff = 0  # node-wide skips stay at zero
         return [s.output_ids for s in run(eng, ps, max_tokens=12)], len(calls)
 
     with_out, with_calls = serve(True)

@@ -113,10 +113,10 @@ def _key(cp, role: str, **kw) -> str:
 def _seed_evaluation(cp, records):
     """A stored report with a slice per tenant (plots drawn), and candidates with lineage."""
     from adaflash.contracts.evaluation import DrafterMetrics, EvaluationReport, SliceMetrics
-    from controlplane.api.routes.evaluations import evaluations_dir
     from controlplane.db import session_scope
     from controlplane.models import Evaluation, Version
     from controlplane.shadow import write_plots
+    from controlplane.shadow.store import evaluations_dir
 
     now = datetime.now(UTC)
     report = EvaluationReport(

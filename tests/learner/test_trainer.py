@@ -127,3 +127,25 @@ def test_head_labels_from_the_records_verify_rounds(supervisor, target):
     trainer = Trainer(make_drafter(target, seed=4), supervisor, cfg)
     maes = [trainer.train_buffer([sup], step=s)["head_mae"] for s in range(1, 30)]
     assert maes[-1] < maes[0]
+
+
+def test_head_labels_from_the_policys_own_walk(supervisor, target):
+    """head_label "policy": the rounds the node's policy would serve the response in with the
+    current drafter (spec_policy.simulate), labelled a* = accepted / (k_hat - 1)."""
+    from dataplane import spec_policy as sp
+    from dataplane.cost_model import CostModel
+    from learner.trainer import policy_rounds
+
+    rec = make_record(response="a fairly long response that has room for several rounds of drafting")
+    sup = supervisor.supervise([supervisor.tokenize(rec)])[0]
+    drafter = make_drafter(target, seed=4)
+    policy = sp.PolicyConfig(block_size=drafter.config.block_size, breakeven=False)
+    rounds, anchors, labels = policy_rounds(drafter, sup, policy, CostModel())
+    assert sum(r.accepted + 1 for r in rounds) == sup.length - 1 - sup.prompt_len
+    drafted = [r for r in rounds if r.k_hat > 1]
+    assert drafted  # the paper's rule drafts on an untrained head's a_hat near 0.5
+    assert anchors.tolist() == [sup.prompt_len + r.anchor for r in drafted]
+    assert labels.tolist() == pytest.approx([r.accepted / (r.k_hat - 1) for r in drafted])
+    cfg = LearnerConfig(anchors_per_record=2, lr_head=1e-2, epochs=1, grad_accum=1, head_label="policy")
+    out = Trainer(drafter, supervisor, cfg).train_buffer([sup], step=1)
+    assert "head_mae" in out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path as FsPath
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query
@@ -16,14 +15,10 @@ from controlplane.api.schemas import VERSION_PATTERN, EvaluationOut, Limit, Offs
 from controlplane.auth import Principal
 from controlplane.errors import NotFound
 from controlplane.models import Evaluation
+from controlplane.shadow.store import evaluations_dir
 
 router = APIRouter(prefix="/evaluations", tags=["evaluations"])
 PLOT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-def evaluations_dir(settings: Settings) -> FsPath:
-    cfg = settings.controlplane
-    return (FsPath(cfg.evaluations_dir) if cfg.evaluations_dir else FsPath(settings.home) / "evaluations").resolve()
 
 
 def _out(e: Evaluation) -> EvaluationOut:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -19,6 +19,7 @@ from controlplane.api.schemas import (
     Offset,
     PinIn,
     PinOut,
+    PredictedRealised,
     PromotionOut,
     ReasonIn,
     VersionDetail,
@@ -68,7 +69,14 @@ def _detail(session: Session, version: str) -> VersionDetail:
                                     evaluation_id=g.evaluation_id, created_at=g.created_at) for g in gates],
         approvals=[ApprovalOut(decision=a.decision, actor=a.actor, reason=a.reason, policy_version=a.policy_version,
                                created_at=a.created_at) for a in approvals],
-        evaluation_ids=list(evals), promotions=[promotion_out(p) for p in promos])
+        evaluation_ids=list(evals), promotions=[promotion_out(p) for p in promos], figures=figures(v))
+
+
+def figures(v: Version) -> PredictedRealised:
+    ratio = (v.realised_tau / v.predicted_tau) if v.realised_tau is not None and v.predicted_tau else None
+    return PredictedRealised(predicted_tau=v.predicted_tau, predicted_tps=v.predicted_tps,
+                             realised_tau=v.realised_tau, realised_tps=v.realised_tps, realised_load=v.realised_load,
+                             realised_samples=v.realised_samples or 0, realised_at=v.realised_at, tau_ratio=ratio)
 
 
 @router.get("", response_model=list[VersionOut], summary="List versions, newest first")
@@ -87,6 +95,22 @@ def list_versions(state: VersionState | None = None, limit: Limit = 100,
 @router.get("/{version}", response_model=VersionDetail, summary="One version with its gates and approvals")
 def get_version(version: VersionPath, session: Session = SessionDep, _: Principal = Depends(allow(*READ))):
     return _detail(session, version)
+
+
+@router.get("/{version}/plots/predicted_vs_realised", response_class=Response,
+            summary="Shadow-predicted against realised live tau and tokens/s (PNG)",
+            responses={200: {"content": {"image/png": {}}, "description": "the plot"}})
+def predicted_vs_realised_plot(version: VersionPath, session: Session = SessionDep,
+                               _: Principal = Depends(allow(*READ))):
+    import tempfile
+    from pathlib import Path as FsPath
+
+    from controlplane.shadow.plots import plot_predicted_realised
+
+    v = lifecycle.get_version(session, version)
+    with tempfile.TemporaryDirectory(prefix="adaflash-plot-") as d:
+        path = plot_predicted_realised([{"version": v.version, **figures(v).model_dump()}], FsPath(d) / "plot.png")
+        return Response(content=path.read_bytes(), media_type="image/png")
 
 
 @router.post("/{version}/approve", response_model=VersionDetail, summary="Approve a version awaiting approval")

@@ -1,0 +1,441 @@
+"""The speculation policy: what each request drafts and verifies, and when it stops drafting.
+
+Pure functions over explicit state (``RequestState`` per request, ``NodeState`` per
+node), the node's cost curve (``dataplane.cost_model.CostModel``) and named constants
+(``PolicyConstants``). The engine (``dataplane.spec_step``), shadow evaluation, the
+learner's simulated labels and the benchmarks call these functions; ``simulate``
+walks one response exactly as the engine serves it.
+
+One step, as the engine runs it:
+
+1. ``reserve`` (before the drafter runs): per request, the most tokens it may verify
+   this step, 1 meaning it does not draft (mode ``ar``, backed off, node backed off,
+   a stale drafter context). ``per_request``: the request's cap (``fixed``, the paper's
+   rule) or the best length at its estimated acceptance (break-even); ``budget``:
+   ``allocate`` spreads the step's verify tokens across requests. The scheduler picks
+   the batch from these reservations; the drafter runs only for the chosen requests.
+2. ``choose`` (after the length head): each drafting request's verified length, at
+   most its reservation. ``fixed``: the reservation. Paper rule (break-even off):
+   k_hat = clamp(floor(gamma * a_hat * k), 1, k). Break-even: per-position acceptance p
+   from gamma * a_hat (truncated geometric, ``position_accept``), calibrated node-wide and
+   blended with the request's recent rounds; the m maximising expected tokens per unit of
+   step time under the cost curve (``best_length``). A request whose best m does not pay
+   for its drafter share backs off (skips drafting for ``backoff`` steps, doubling up to
+   ``max_backoff``) and comes back through a probe: a short block of ``probe_length``
+   tokens that resets the back-off when its draft is accepted.
+3. ``observe`` (after verification): the round joins the request's history, calibration
+   (realised / predicted accepted drafts) is updated, and the node backs the drafter off
+   when a pass paid for no request.
+
+Acceptance inside a block is geometric with per-position probability p, so
+E[accepted of m - 1 drafts] = p + ... + p^(m-1) and p is chosen so that the full block's
+expected accepted drafts equal a * (k - 1) for the head's a.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Mode = Literal["ar", "fixed", "adaptive"]
+PolicyKind = Literal["per_request", "budget"]
+
+
+@dataclass(frozen=True)
+class PolicyConstants:
+    p_max: float = 0.98  # ceiling on a calibrated per-position acceptance
+    head_p_max: float = 0.995  # ceiling of the head's a -> p inversion
+    own_weight: float = 0.5  # weight of the request's own recent rounds against the head's p
+    recent_rounds: int = 4  # drafting rounds of the request that estimate its own acceptance
+    calib_min_weight: float = 0.05  # calibration EMA weight once past its bias-corrected start
+    calib_floor: float = 0.05
+    calib_ceiling: float = 4.0
+    max_backoff: int = 16  # steps a request (or the node) skips the drafter at most
+    probe_length: int = 2  # verify tokens of an exploration probe (one draft)
+    reset_share: float = 0.5  # a round keeping this share of its drafts resets the back-off
+    unknown_p: float = 0.5  # budget policy: acceptance assumed for a request with no estimate yet
+
+
+CONSTANTS = PolicyConstants()
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    mode: Mode = "adaptive"
+    block_size: int = 16
+    gamma: float = 1.0
+    breakeven: bool = True
+    policy: PolicyKind = "per_request"
+    max_verify_tokens: int = 512
+    consts: PolicyConstants = CONSTANTS
+
+    @classmethod
+    def of(cls, dp) -> PolicyConfig:
+        """From a ``DataplaneConfig`` (the node's typed configuration)."""
+        return cls(mode=dp.mode, block_size=dp.block_size, gamma=dp.gamma, breakeven=dp.breakeven,
+                   policy=dp.policy, max_verify_tokens=dp.max_verify_tokens)
+
+    @property
+    def node_backs_off(self) -> bool:
+        return self.mode == "adaptive" and self.breakeven
+
+
+@dataclass
+class RoundOutcome:
+    k_hat: int
+    accepted: int
+
+
+@dataclass
+class RequestState:
+    skip: int = 0  # steps left without drafting
+    backoff: int = 1  # the next back-off's length
+    probe: bool = False  # the next drafting round is an exploration probe
+    p_est: float | None = None  # per-position acceptance estimated after its last round
+    recent: list[RoundOutcome] = field(default_factory=list)  # its last drafting rounds
+
+
+@dataclass
+class NodeState:
+    calib: float = 1.0  # EMA of realised / predicted accepted drafts
+    calib_rounds: int = 0  # steps that fed it since the drafter was set
+    skip: int = 0  # node-wide: steps left without running the drafter
+    backoff: int = 1
+
+    def reset(self) -> None:
+        """A new drafter (and head): trust its head again and re-learn quickly."""
+        self.calib, self.calib_rounds, self.skip, self.backoff = 1.0, 0, 0, 1
+
+
+class CostCurve(Protocol):
+    draft_per_request_s: float
+
+    def step_time(self, batch: int, tokens: int) -> float: ...
+
+
+# -- acceptance model ------------------------------------------------------------------------------------
+def paper_k_hat(a_hat: float, k: int, gamma: float) -> int:
+    """The paper's verified length: clamp(floor(gamma * a_hat * k), 1, k)."""
+    return int(min(k, max(1, math.floor(gamma * a_hat * k))))
+
+
+def head_label(accepted, verified: int):
+    """The length head's label a* = accepted drafts / drafts verified (the paper's accepted
+    tokens over candidate length); ``accepted`` may be a number or a tensor."""
+    return accepted / max(verified - 1, 1)
+
+
+def expected_accepted(p: float, drafts: int) -> float:
+    """Expected accepted drafts out of ``drafts`` at per-position acceptance p: p + ... + p^drafts."""
+    if drafts <= 0 or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return float(drafts)
+    return p * (1.0 - p**drafts) / (1.0 - p)
+
+
+def position_accept(accept_ratio: float, k: int, consts: PolicyConstants = CONSTANTS) -> float:
+    """Per-position p whose expected accepted drafts out of k - 1 equal accept_ratio * (k - 1)
+    (bisection on the truncated geometric mean), at most ``head_p_max``."""
+    n = k - 1
+    target = min(max(accept_ratio, 0.0), 1.0) * n
+    if target <= 0.0 or n <= 0:
+        return 0.0
+    lo, hi = 0.0, consts.head_p_max
+    if expected_accepted(hi, n) <= target:
+        return hi
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if expected_accepted(mid, n) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def head_p(a_hat: float, cfg: PolicyConfig, node: NodeState) -> float:
+    """The head's per-position acceptance, calibrated node-wide."""
+    return min(cfg.consts.p_max, position_accept(cfg.gamma * a_hat, cfg.block_size, cfg.consts) * node.calib)
+
+
+def request_p(a_hat: float, req: RequestState, cfg: PolicyConfig, node: NodeState) -> float:
+    """The head's calibrated p blended with the request's own recent rounds (geometric
+    estimate: accepted drafts over accepted drafts + rejections)."""
+    p = head_p(a_hat, cfg, node)
+    recent = req.recent[-cfg.consts.recent_rounds :]
+    acc = sum(r.accepted for r in recent)
+    rejections = sum(1 for r in recent if r.accepted < r.k_hat - 1)
+    if acc + rejections:
+        w = cfg.consts.own_weight
+        p = (1.0 - w) * p + w * acc / (acc + rejections)
+    return p
+
+
+# -- lengths under the cost curve ---------------------------------------------------------------------------
+def best_length(cost: CostCurve, p: float, cap: int, batch: int) -> tuple[int, float]:
+    """(m, gain): the m in 1..cap maximising expected tokens per unit of step time at
+    per-position acceptance p, for one request in a step of ``batch`` requests.
+
+    The request's share of a plain step is T(B, B) / B; verifying m tokens adds
+    T(B, B + m - 1) - T(B, B) (the others verifying one each). gain counts the drafter's
+    share too: below 1, drafting did not pay for this request even at its best length.
+    """
+    batch = max(batch, 1)
+    t_plain = cost.step_time(batch, batch)
+    share = max(t_plain / batch, 1e-9)
+    best_m, best_rate, tokens = 1, 1.0, 1.0
+    for m in range(2, cap + 1):
+        tokens += p ** (m - 1)
+        extra = max(0.0, cost.step_time(batch, batch + m - 1) - t_plain)
+        rate = tokens / (1.0 + extra / share)
+        if rate > best_rate:
+            best_m, best_rate = m, rate
+    extra = max(0.0, cost.step_time(batch, batch + best_m - 1) - t_plain)
+    gain = (1.0 + expected_accepted(p, best_m - 1)) / (1.0 + (extra + cost.draft_per_request_s) / share)
+    return best_m, gain
+
+
+def allocate(ps: Sequence[float], caps: Sequence[int], cost: CostCurve, budget: int) -> list[int]:
+    """The cross-request verify budget: lengths for a step of len(ps) requests.
+
+    Every request verifies at least one token; further tokens go, one at a time, to the
+    request whose next draft is most likely accepted (p_i^m for its m-th draft: expected
+    accepted tokens per verify token), while the step's expected tokens per second rise
+    under the cost curve (drafter time included for each request that drafts) and the
+    step stays within ``budget`` tokens.
+    """
+    n = len(ps)
+    lengths = [1] * n
+    if n == 0:
+        return lengths
+    exp_tokens, total = float(n), n
+    drafting = 0
+    rate = exp_tokens / cost.step_time(n, total)
+    while total < budget:
+        j, gain = -1, 0.0
+        for i in range(n):
+            if lengths[i] < caps[i]:
+                g = ps[i] ** lengths[i]
+                if g > gain:
+                    j, gain = i, g
+        if j < 0 or gain <= 0.0:
+            break
+        new_drafting = drafting + (lengths[j] == 1)
+        t = cost.step_time(n, total + 1) + new_drafting * cost.draft_per_request_s
+        new_rate = (exp_tokens + gain) / t
+        if new_rate <= rate:
+            break
+        lengths[j] += 1
+        exp_tokens, total, drafting, rate = exp_tokens + gain, total + 1, new_drafting, new_rate
+    return lengths
+
+
+# -- one step ---------------------------------------------------------------------------------------------------
+def node_may_draft(cfg: PolicyConfig, node: NodeState) -> bool:
+    """Node-wide back-off: False while the node skips the drafter (one step consumed)."""
+    if cfg.node_backs_off and node.skip > 0:
+        node.skip -= 1
+        return False
+    return True
+
+
+def reserve(reqs: Sequence[RequestState], caps: Sequence[int], eligible: Sequence[bool], cfg: PolicyConfig,
+            node: NodeState, cost: CostCurve, batch: int | None = None) -> list[int]:
+    """Step 1, before the drafter: the most tokens each request may verify (1: no draft).
+
+    eligible: the request could draft (a drafter is loaded and its context is this
+    drafter's). Every request's back-off skip is consumed here, drafting or not.
+    """
+    out = [1] * len(reqs)
+    may = [False] * len(reqs)
+    for i, r in enumerate(reqs):
+        may[i] = eligible[i] and r.skip == 0 and caps[i] > 1 and cfg.mode != "ar"
+        r.skip = max(0, r.skip - 1)
+    node_ok = node_may_draft(cfg, node)  # a node-wide skip step passes whether or not anyone could draft
+    if cfg.mode == "ar" or not any(may) or not node_ok:
+        return out
+    batch = batch or len(reqs)
+    if cfg.policy == "budget" and cfg.mode == "adaptive":
+        ps = [(r.p_est if r.p_est is not None else cfg.consts.unknown_p) if m else 0.0 for r, m in zip(reqs, may,
+                                                                                                       strict=True)]
+        lims = [_probe_cap(r, c, cfg) if m else 1 for r, c, m in zip(reqs, caps, may, strict=True)]
+        alloc = allocate(ps, lims, cost, cfg.max_verify_tokens)
+        return [max(a, 2) if m else 1 for a, m in zip(alloc, may, strict=True)]
+    for i, r in enumerate(reqs):
+        if not may[i]:
+            continue
+        cap = _probe_cap(r, caps[i], cfg)
+        if cfg.mode == "adaptive" and cfg.breakeven and r.p_est is not None and not r.probe:
+            cap = max(2, best_length(cost, r.p_est, cap, batch)[0])
+        out[i] = cap
+    return out
+
+
+def _probe_cap(r: RequestState, cap: int, cfg: PolicyConfig) -> int:
+    return min(cap, cfg.consts.probe_length) if r.probe and cfg.mode == "adaptive" else cap
+
+
+def choose(reqs: Sequence[RequestState], a_hats: Sequence[float], reserved: Sequence[int], batch: int,
+           cfg: PolicyConfig, node: NodeState, cost: CostCurve) -> tuple[list[int], bool]:
+    """Step 2, after the length head: the verified length of each drafting request (at most
+    its reservation), and whether drafting paid for any of them (node back-off).
+
+    Backs off a request whose best length does not pay for its drafter share.
+    """
+    if cfg.mode == "fixed":
+        return list(reserved), True
+    if not cfg.breakeven:
+        return [min(r, paper_k_hat(a, cfg.block_size, cfg.gamma)) for a, r in zip(a_hats, reserved,
+                                                                                    strict=True)], True
+    ps = [request_p(a, r, cfg, node) for a, r in zip(a_hats, reqs, strict=True)]
+    if cfg.policy == "budget":
+        lengths = allocate(ps, reserved, cost, sum(reserved))
+    else:
+        lengths = [best_length(cost, p, cap, batch)[0] for p, cap in zip(ps, reserved, strict=True)]
+    paid = False
+    for i, (r, p) in enumerate(zip(reqs, ps, strict=True)):
+        r.p_est = p
+        if r.probe:  # exploration: verify the probe whatever the estimate says; ``observe`` judges it
+            lengths[i] = reserved[i]
+            continue
+        gain = _gain(cost, p, lengths[i], batch)
+        paid |= gain >= 1.0
+        if gain < 1.0:
+            back_off(r, cfg)
+    return lengths, paid
+
+
+def back_off(r: RequestState, cfg: PolicyConfig) -> None:
+    """Skip drafting for ``backoff`` steps (doubling up to ``max_backoff``), then probe."""
+    r.skip = r.backoff
+    r.backoff = min(cfg.consts.max_backoff, r.backoff * 2)
+    r.probe = True
+
+
+def _gain(cost: CostCurve, p: float, m: int, batch: int) -> float:
+    if m <= 1:
+        return best_length(cost, p, 1, batch)[1]
+    t_plain = cost.step_time(batch, batch)
+    share = max(t_plain / batch, 1e-9)
+    extra = max(0.0, cost.step_time(batch, batch + m - 1) - t_plain)
+    return (1.0 + expected_accepted(p, m - 1)) / (1.0 + (extra + cost.draft_per_request_s) / share)
+
+
+def after_pass(cfg: PolicyConfig, node: NodeState, paid: bool) -> None:
+    """Node-wide back-off after a drafter pass: one that paid for no request was pure cost;
+    skip the drafter for ``backoff`` steps (doubling while passes stay useless)."""
+    if not cfg.node_backs_off:
+        return
+    if paid:
+        node.backoff = 1
+    else:
+        node.skip = node.backoff
+        node.backoff = min(cfg.consts.max_backoff, 2 * node.backoff)
+
+
+def observe(req: RequestState, k_hat: int, accepted: int, cfg: PolicyConfig, node: NodeState | None = None) -> None:
+    """Step 3, per request: its verified round joins its history; a round that kept enough
+    of its drafts (a probe: its draft) ends the back-off, a probe that did not backs off.
+    A kept probe ends the node's back-off too: drafting pays again."""
+    if k_hat <= 1:
+        return
+    if req.probe and node is not None and accepted >= (k_hat - 1) * cfg.consts.reset_share:
+        node.skip, node.backoff = 0, 1
+    req.recent.append(RoundOutcome(k_hat, accepted))
+    del req.recent[: -cfg.consts.recent_rounds]
+    if accepted >= (k_hat - 1) * cfg.consts.reset_share:
+        req.backoff, req.probe = 1, False
+    elif req.probe:  # a probe that kept too little: back off again, longer
+        back_off(req, cfg)
+    if req.p_est is not None and cfg.breakeven:
+        acc = sum(r.accepted for r in req.recent)
+        rej = sum(1 for r in req.recent if r.accepted < r.k_hat - 1)
+        if acc + rej:
+            w = cfg.consts.own_weight
+            req.p_est = min(cfg.consts.p_max, (1.0 - w) * req.p_est + w * acc / (acc + rej))
+
+
+def calibrate(node: NodeState, rounds: Sequence[tuple[int, float, int]], cfg: PolicyConfig) -> None:
+    """Step 3, node-wide: EMA of realised / predicted accepted drafts over the rounds
+    (k_hat, a_hat, accepted) that drafted. The first steps after a drafter is set average
+    with weight 1/n (a bias-corrected start), later ones with ``calib_min_weight``."""
+    pred = real = 0.0
+    for k, a_hat, acc in rounds:
+        if k > 1:
+            pred += expected_accepted(position_accept(cfg.gamma * a_hat, cfg.block_size, cfg.consts), k - 1)
+            real += acc
+    if pred > 0:
+        c = cfg.consts
+        node.calib_rounds += 1
+        w = max(c.calib_min_weight, 1.0 / node.calib_rounds)
+        node.calib = min(c.calib_ceiling, max(c.calib_floor, (1.0 - w) * node.calib + w * (real / pred)))
+
+
+# -- a response walked as the engine serves it ------------------------------------------------------------------
+@dataclass
+class SimRound:
+    anchor: int  # response offset of the round's last committed token
+    k_hat: int
+    accepted: int
+    a_hat: float
+
+
+def simulate(a_hats: Sequence[float], accepted_full: Sequence[int], n_tokens: int, cfg: PolicyConfig,
+             cost: CostCurve, node: NodeState | None = None, batch: int = 1) -> list[SimRound]:
+    """The rounds one request goes through, served alone at concurrency ``batch``.
+
+    a_hats[i] / accepted_full[i]: the head's a_hat and the drafts of the full block that
+    verification keeps (greedy: longest prefix equal to the target's tokens) at the anchor
+    i tokens after the first response token; n_tokens: tokens committed after the first.
+    Calls ``reserve``, ``choose``, ``after_pass``, ``calibrate`` and ``observe`` in the
+    engine's order; ``node`` carries calibration and node back-off across requests.
+    """
+    node = node if node is not None else NodeState()
+    req = RequestState()
+    out: list[SimRound] = []
+    pos = 0
+    while pos < n_tokens:
+        cap = min(cfg.block_size, n_tokens - pos)
+        k = reserve([req], [cap], [True], cfg, node, cost, batch=batch)[0]
+        a_hat = float(a_hats[pos])
+        if k > 1:
+            lengths, paid = choose([req], [a_hat], [k], batch, cfg, node, cost)
+            after_pass(cfg, node, paid)
+            k = lengths[0]
+        acc = min(int(accepted_full[pos]), k - 1)
+        calibrate(node, [(k, a_hat, acc)], cfg)
+        observe(req, k, acc, cfg, node)
+        out.append(SimRound(pos, k, acc, a_hat if k > 1 else 0.0))
+        pos += acc + 1
+    return out
+
+
+# -- the head's calibration per block position --------------------------------------------------------------------
+def position_ece(samples: Sequence[tuple[float, int, int]], cfg: PolicyConfig, calib: float = 1.0,
+                 bins: int = 10) -> list[float]:
+    """Expected calibration error of the head per block position i = 1..k-1.
+
+    samples: (a_hat, accepted drafts of the full block, drafts available) per anchor. The
+    head predicts draft i is kept with probability p^i (p: ``head_p`` at ``calib``); the
+    outcome is accepted >= i. ECE_i = sum over equal-width bins of |mean predicted - share
+    kept| weighted by the bin's share of the anchors where position i was available.
+    """
+    node = NodeState(calib=calib)
+    ps = [head_p(a, cfg, node) for a, _, _ in samples]
+    out = []
+    for i in range(1, cfg.block_size):
+        pairs = [(p**i, float(acc >= i)) for p, (_, acc, n) in zip(ps, samples, strict=True) if n >= i]
+        if not pairs:
+            out.append(0.0)
+            continue
+        ece = 0.0
+        for b in range(bins):
+            lo, hi = b / bins, (b + 1) / bins
+            inside = [(q, o) for q, o in pairs if lo <= q < hi or (b == bins - 1 and q >= 1.0)]
+            if inside:
+                ece += len(inside) / len(pairs) * abs(sum(q for q, _ in inside) / len(inside)
+                                                     - sum(o for _, o in inside) / len(inside))
+        out.append(ece)
+    return out
