@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
 Mode = Literal["ar", "fixed", "adaptive"]
 
@@ -258,8 +258,18 @@ class TelemetryConfig(BaseModel):
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """``model`` with every field optional (None: not overridden), unknown fields refused."""
+    fields: dict[str, Any] = {n: (f.annotation | None, None) for n, f in model.model_fields.items()}
+    return create_model(f"{model.__name__}Overrides", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+# Learner settings as a partial override: the learner's own field types, all optional.
+LearnerOverrides = _partial(LearnerConfig)
+
+
 class StackConfig(BaseModel):
-    """``adaflash up``: the embedded stack on one machine (see adaflash/stack.py)."""
+    """``adaflash up``: the embedded stack on one machine (see stack/)."""
 
     # Parts to run, in start order; parts whose command is not installed are skipped
     # (and reported as missing by ``adaflash status``).
@@ -276,7 +286,7 @@ class StackConfig(BaseModel):
     database: Literal["sqlite", "postgres"] = "sqlite"
     postgres_admin_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     # Gate policy of the embedded control plane when controlplane.policy_file is empty:
-    # "demo" (adaflash/demo_policy.yaml: short windows, approval auto), "default" (the
+    # "demo" (stack/demo_policy.yaml: short windows, approval auto), "default" (the
     # control plane's packaged policy) or a file path.
     gate_policy: str = "demo"
     restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive crash
@@ -290,20 +300,8 @@ class StackConfig(BaseModel):
     # seconds per record and anchor (target scoring of the drafter's blocks), so the
     # embedded learner trains smaller buffers, fewer anchors, sooner, to publish a
     # candidate within minutes. Empty: the learner's own defaults.
-    learner_overrides: dict[str, Any] = Field(default_factory=lambda: {
-        "buffer_size": 16, "anchors_per_record": 4, "max_wait_s": 45.0})
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]):
-        super().__init__(settings_cls)
-        self._data = data
-
-    def get_field_value(self, field, field_name):  # pragma: no cover - unused by pydantic here
-        return self._data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._data)
+    learner_overrides: LearnerOverrides = Field(default_factory=lambda: LearnerOverrides(
+        buffer_size=16, anchors_per_record=4, max_wait_s=45.0))
 
 
 class Settings(BaseSettings):
@@ -320,12 +318,13 @@ class Settings(BaseSettings):
     telemetry: TelemetryConfig = TelemetryConfig()
     stack: StackConfig = StackConfig()
 
-    _yaml_data: ClassVar[dict[str, Any]] = {}
+    _yaml_file: ClassVar[Path | None] = None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
-        return (init_settings, env_settings, _YamlSource(settings_cls, cls._yaml_data), file_secret_settings)
+        yaml_source = YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file) if cls._yaml_file else None
+        return tuple(s for s in (init_settings, env_settings, yaml_source, file_secret_settings) if s is not None)
 
 
 class ConfigError(ValueError):
@@ -334,7 +333,7 @@ class ConfigError(ValueError):
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Settings:
     """Read defaults <- YAML file <- environment; ``overrides`` (CLI flags) win over all."""
-    data: dict[str, Any] = {}
+    file = None
     if path:
         p = Path(path)
         if not p.is_file():
@@ -345,9 +344,10 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Sett
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    Settings._yaml_data = data
+        file = p
+    Settings._yaml_file = file
     try:
         settings = Settings(**overrides)
     finally:
-        Settings._yaml_data = {}
+        Settings._yaml_file = None
     return settings

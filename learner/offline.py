@@ -134,7 +134,7 @@ class Pool:
 def text_token_counts(tok, n_per_domain: int = 1500) -> Counter:
     """Token frequencies of training reference texts (tokenizer only, no target): a prior
     for the draft vocabulary while few target-labelled shards exist."""
-    from adaflash import datasets as ds
+    import promptsets as ds
 
     c: Counter = Counter()
     for dom in ds.DOMAINS:
@@ -478,7 +478,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
         "phases": [{"step": r["step"], "config": r["config"]} for r in
                    (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip())
                    if r["type"] == "start"],
-        "data": {"description": "target-labelled tokens from the training split of adaflash.datasets "
+        "data": {"description": "target-labelled tokens from the training split of promptsets "
                                 "(ShareGPT V3 non-held-out conversations, HumanEval tasks 0-119, synthetic "
                                 "math seeds < 1,000,000): teacher-forced prefill over reference text (tf) and "
                                 "target greedy answers regenerated with the engine (regen)",
