@@ -192,6 +192,47 @@ class LearnerConfig(BaseModel):
     deletion_poll_s: float = 10.0
 
 
+class OfflineConfig(BaseModel):
+    """``adaflash train-offline``: the offline drafter training (learner/offline.py). The
+    defaults are the committed starter's recipe (dataplane/starter/README.md)."""
+
+    seed: int = 0
+    num_layers: int = 1
+    target_layers: list[int] = [1, 18, 27, 29]
+    init_from_target: bool = True
+    init_bigram: bool = True  # write a low-rank bigram model into the first layer (learner.offline_init)
+    bigram_temperature: float = 0.15
+    init_layers: list[int] | None = None  # target layers copied into the drafter (default: the last ones)
+    draft_vocab_size: int = Field(default=8192, ge=0)  # 0: full vocabulary
+    vocab_prior: bool = True  # add reference-text token counts to the label counts
+    block_size: int = 16
+    head_hidden: int = 128
+    seqs_per_step: int = Field(default=2, ge=1)
+    anchors_per_seq: int = Field(default=16, ge=1)
+    steps: int = Field(default=900, ge=0)
+    lr: float = 5e-4
+    head_lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    decay: float = 7.0  # per-position loss weight exp(-(i-1)/decay)
+    kinds: list[str] = ["regen", "tf"]
+    domains: list[str] = ["chat", "code", "math"]
+    # shard streams to train on; empty: kinds x domains
+    streams: list[str] = ["regen-math", "regen-code", "regen-chat", "tf-code", "tf-chat"]
+    domain_weights: dict[str, float] = {"math": 0.45, "code": 0.35, "chat": 0.2}  # empty: uniform
+    tf_consistent_mask: bool = True
+    val_every: int = 150
+    ckpt_every: int = 150
+    eval_every: int = 0  # steps between held-out tau evaluations (0: only at the end)
+    eval_prompts: int = 10
+    eval_max_tokens: int = 128
+    rescan_every: int = 100  # pick up shards written since the start
+    max_shard_seqs_val: int = 1  # sequences per shard kept for validation
+    threads: int = 1
+    time_budget_s: float = 0.0
+
+
 class ControlplaneConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8100
@@ -317,6 +358,7 @@ class Settings(BaseSettings):
     controlplane: ControlplaneConfig = ControlplaneConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     stack: StackConfig = StackConfig()
+    offline: OfflineConfig = OfflineConfig()
 
     _yaml_file: ClassVar[Path | None] = None
 
