@@ -121,14 +121,16 @@ def _run(fn: Callable) -> Callable:
 
 
 def _read(path: str) -> str:
-    from pathlib import Path
-
     from adaflash.cli import CliError
+    from adaflash.credentials import read_file
 
     try:
-        return Path(path).read_text().strip()
+        token = read_file(path)
     except OSError as e:
         raise CliError(f"cannot read the token file {path}: {e}") from e
+    if not token:
+        raise CliError(f"the token file {path} is missing or empty")
+    return token
 
 
 # -- output -------------------------------------------------------------------------------------------------

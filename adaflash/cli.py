@@ -15,7 +15,8 @@ from adaflash.config import ConfigError, load_config
 
 # Modules that define ``register(subparsers)``; a missing one is simply not offered.
 PART_CLIS = (
-    "adaflash.stack_cli",
+    "stack.cli",
+    "demo.cli",
     "adaflash.admin_cli",
     "dataplane.cli",
     "learner.cli",

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
 Mode = Literal["ar", "fixed", "adaptive"]
 
@@ -197,6 +197,47 @@ class LearnerConfig(BaseModel):
     deletion_poll_s: float = 10.0
 
 
+class OfflineConfig(BaseModel):
+    """``adaflash train-offline``: the offline drafter training (learner/offline.py). The
+    defaults are the committed starter's recipe (dataplane/starter/README.md)."""
+
+    seed: int = 0
+    num_layers: int = 1
+    target_layers: list[int] = [1, 18, 27, 29]
+    init_from_target: bool = True
+    init_bigram: bool = True  # write a low-rank bigram model into the first layer (learner.offline_init)
+    bigram_temperature: float = 0.15
+    init_layers: list[int] | None = None  # target layers copied into the drafter (default: the last ones)
+    draft_vocab_size: int = Field(default=8192, ge=0)  # 0: full vocabulary
+    vocab_prior: bool = True  # add reference-text token counts to the label counts
+    block_size: int = 16
+    head_hidden: int = 128
+    seqs_per_step: int = Field(default=2, ge=1)
+    anchors_per_seq: int = Field(default=16, ge=1)
+    steps: int = Field(default=900, ge=0)
+    lr: float = 5e-4
+    head_lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    decay: float = 7.0  # per-position loss weight exp(-(i-1)/decay)
+    kinds: list[str] = ["regen", "tf"]
+    domains: list[str] = ["chat", "code", "math"]
+    # shard streams to train on; empty: kinds x domains
+    streams: list[str] = ["regen-math", "regen-code", "regen-chat", "tf-code", "tf-chat"]
+    domain_weights: dict[str, float] = {"math": 0.45, "code": 0.35, "chat": 0.2}  # empty: uniform
+    tf_consistent_mask: bool = True
+    val_every: int = 150
+    ckpt_every: int = 150
+    eval_every: int = 0  # steps between held-out tau evaluations (0: only at the end)
+    eval_prompts: int = 10
+    eval_max_tokens: int = 128
+    rescan_every: int = 100  # pick up shards written since the start
+    max_shard_seqs_val: int = 1  # sequences per shard kept for validation
+    threads: int = 1
+    time_budget_s: float = 0.0
+
+
 class ControlplaneConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8100
@@ -263,8 +304,18 @@ class TelemetryConfig(BaseModel):
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """``model`` with every field optional (None: not overridden), unknown fields refused."""
+    fields: dict[str, Any] = {n: (f.annotation | None, None) for n, f in model.model_fields.items()}
+    return create_model(f"{model.__name__}Overrides", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+# Learner settings as a partial override: the learner's own field types, all optional.
+LearnerOverrides = _partial(LearnerConfig)
+
+
 class StackConfig(BaseModel):
-    """``adaflash up``: the embedded stack on one machine (see adaflash/stack.py)."""
+    """``adaflash up``: the embedded stack on one machine (see stack/)."""
 
     # Parts to run, in start order; parts whose command is not installed are skipped
     # (and reported as missing by ``adaflash status``).
@@ -281,7 +332,7 @@ class StackConfig(BaseModel):
     database: Literal["sqlite", "postgres"] = "sqlite"
     postgres_admin_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     # Gate policy of the embedded control plane when controlplane.policy_file is empty:
-    # "demo" (adaflash/demo_policy.yaml: short windows, approval auto), "default" (the
+    # "demo" (stack/demo_policy.yaml: short windows, approval auto), "default" (the
     # control plane's packaged policy) or a file path.
     gate_policy: str = "demo"
     restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive crash
@@ -295,20 +346,8 @@ class StackConfig(BaseModel):
     # seconds per record and anchor (target scoring of the drafter's blocks), so the
     # embedded learner trains smaller buffers, fewer anchors, sooner, to publish a
     # candidate within minutes. Empty: the learner's own defaults.
-    learner_overrides: dict[str, Any] = Field(default_factory=lambda: {
-        "buffer_size": 16, "anchors_per_record": 4, "max_wait_s": 45.0})
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]):
-        super().__init__(settings_cls)
-        self._data = data
-
-    def get_field_value(self, field, field_name):  # pragma: no cover - unused by pydantic here
-        return self._data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._data)
+    learner_overrides: LearnerOverrides = Field(default_factory=lambda: LearnerOverrides(
+        buffer_size=16, anchors_per_record=4, max_wait_s=45.0))
 
 
 class Settings(BaseSettings):
@@ -324,13 +363,15 @@ class Settings(BaseSettings):
     controlplane: ControlplaneConfig = ControlplaneConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     stack: StackConfig = StackConfig()
+    offline: OfflineConfig = OfflineConfig()
 
-    _yaml_data: ClassVar[dict[str, Any]] = {}
+    _yaml_file: ClassVar[Path | None] = None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
-        return (init_settings, env_settings, _YamlSource(settings_cls, cls._yaml_data), file_secret_settings)
+        yaml_source = YamlConfigSettingsSource(settings_cls, yaml_file=cls._yaml_file) if cls._yaml_file else None
+        return tuple(s for s in (init_settings, env_settings, yaml_source, file_secret_settings) if s is not None)
 
 
 class ConfigError(ValueError):
@@ -339,7 +380,7 @@ class ConfigError(ValueError):
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Settings:
     """Read defaults <- YAML file <- environment; ``overrides`` (CLI flags) win over all."""
-    data: dict[str, Any] = {}
+    file = None
     if path:
         p = Path(path)
         if not p.is_file():
@@ -350,9 +391,10 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Sett
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    Settings._yaml_data = data
+        file = p
+    Settings._yaml_file = file
     try:
         settings = Settings(**overrides)
     finally:
-        Settings._yaml_data = {}
+        Settings._yaml_file = None
     return settings

@@ -29,6 +29,7 @@ from adaflash.contracts.admin_api import (
     ApproveIn,
     AuditEntryOut,
     AuditVerifyOut,
+    DeletionAckIn,
     DeletionIn,
     DeletionOut,
     DeletionScope,
@@ -75,8 +76,8 @@ class ControlPlaneClient:
         if base.endswith(API_PREFIX):
             base = base[: -len(API_PREFIX)]
         self.base_url = base
-        self.http = httpx.Client(base_url=base + API_PREFIX, timeout=timeout_s, transport=transport,
-                                 headers={"Authorization": f"Bearer {token}"})
+        headers = {"Authorization": f"Bearer {token}"} if token else {}  # no key: the API answers 401
+        self.http = httpx.Client(base_url=base + API_PREFIX, timeout=timeout_s, transport=transport, headers=headers)
 
     def __enter__(self) -> ControlPlaneClient:
         return self
@@ -186,6 +187,14 @@ class ControlPlaneClient:
     def get_deletion(self, request_id: int) -> DeletionOut:
         return self._call(DeletionOut, "GET", f"/deletion-requests/{int(request_id)}")
 
+    def deletion_work(self, instance: str) -> list[DeletionOut]:
+        """Open requests the node or learner ``instance`` has not acknowledged yet (its work list)."""
+        return self._call(list[DeletionOut], "GET", "/deletion-requests", params={"instance": instance, "state": "open"})
+
+    def ack_deletion(self, request_id: int, ack: DeletionAckIn) -> DeletionOut:
+        """Report that a component purged the request's tenant from its stores."""
+        return self._call(DeletionOut, "POST", f"/deletion-requests/{int(request_id)}/ack", body=ack)
+
     def list_deletions(self, tenant_id: str | None = None, state: str | None = None,
                        limit: int = 100) -> list[DeletionOut]:
         return self._call(list[DeletionOut], "GET", "/deletion-requests",
@@ -223,7 +232,7 @@ def resolve_url(settings: Settings, url: str | None = None) -> str:
         return url
     if os.environ.get(URL_ENV, "").strip():
         return os.environ[URL_ENV].strip()
-    from adaflash.stack import live_status
+    from adaflash.stack_state import live_status
 
     state = live_status(settings)
     stack_url = (state.get("endpoints") or {}).get("controlplane_url")

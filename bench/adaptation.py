@@ -14,7 +14,7 @@ the committed starter drafter, each method consumes the same stream, one buffer 
   mixture alpha (PAPER.md, component 1).
 
 After every update the drafter is scored on held-out prompts of the same domain (the
-held-out split of ``adaflash.datasets``, never streamed):
+held-out split of ``promptsets``, never streamed):
 
 - ``tau``: greedy mean accepted length at k = block size, by speculative decoding
   along the target's greedy answer (a draft is accepted while it equals the target's
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaflash import datasets as ds
+import promptsets as ds
 from adaflash.config import LearnerConfig, Settings
 
 METHODS = ("frozen", "osd", "rkl", "opd")
@@ -61,7 +61,7 @@ class NarrowDomain:
     """A tenant's narrow traffic: where its stream and its held-out prompts come from."""
 
     name: str
-    base: str  # the adaflash.datasets domain
+    base: str  # the promptsets domain
     description: str
     stream: Callable[[int], list[dict]]  # n -> training-split prompts never used offline
     heldout: Callable[[int], list[dict]]  # n -> held-out prompts of the same distribution

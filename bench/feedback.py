@@ -40,12 +40,12 @@ def main(args, settings) -> int:
 
 def run(settings, concurrency: int, n_requests: int, max_tokens: int, pairs: int, drafter: str | None,
         out: Path) -> dict:
-    from adaflash.datasets import heldout_prompts
     from bench.throughput import run_closed_loop
     from dataplane.engine import Engine
     from dataplane.node import Node
     from governance.broker import TansuBroker
     from governance.emitter import build_emitter
+    from promptsets import heldout_prompts
 
     out.mkdir(parents=True, exist_ok=True)
     settings.home = out / "home"

@@ -42,12 +42,11 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run(target: str = "tiny", out: Path = Path("out/bench-promotion"), swaps: int = 20,
         watch_s: float = 3.0, records: int = 24) -> dict:
-    import httpx
     import torch
     from sqlalchemy import select
 
     from adaflash.config import load_config
-    from controlplane.models import Node, Promotion, Version
+    from controlplane.models import Version
     from dataplane.target_cache import ensure_target
     from dataplane.tokenizer import Tokenizer
     from tests.controlplane.stack import (
@@ -92,26 +91,7 @@ def run(target: str = "tiny", out: Path = Path("out/bench-promotion"), swaps: in
             marks["registered_in_mlflow"] = time.monotonic() - t0
             stop = threading.Event()
 
-            def watch() -> None:
-                while not stop.is_set():
-                    now = time.monotonic() - t0
-                    with sessions() as s:
-                        v = s.get(Version, v2)
-                        p = s.scalars(select(Promotion).where(Promotion.version == v2)).first()
-                        nodes = {n.node_id: n.served_version for n in s.scalars(select(Node))}
-                    if v is not None:
-                        marks.setdefault("discovered", now)
-                        for state in ("evaluating", "awaiting_approval", "approved", "canary", "champion"):
-                            if v.state == state or (state == "evaluating" and v.state != "registered"):
-                                marks.setdefault(f"state_{state}", now)
-                    if p is not None:
-                        marks.setdefault(f"promotion_{p.state}", now)
-                    for nid, served in nodes.items():
-                        if served == v2:
-                            marks.setdefault(f"{nid}_serves", now)
-                    time.sleep(0.05)
-
-            watcher = threading.Thread(target=watch, daemon=True)
+            watcher = threading.Thread(target=_watch, args=(sessions, v2, t0, marks, stop), daemon=True)
             watcher.start()
             _wait(lambda: _served(st) == {"node-a": v2, "node-b": v2} and _state(sessions, v2) == "champion", 300,
                   "candidate champion everywhere")
@@ -123,18 +103,7 @@ def run(target: str = "tiny", out: Path = Path("out/bench-promotion"), swaps: in
                               if r.ok and r.pause_ms is not None]
             # Repeated hot swaps under traffic, straight to the nodes' admin endpoint.
             st.workers.stop(timeout_s=10)
-            pauses, answer_s = [], []
-            with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {NODE_ADMIN_TOKEN}"}) as c:
-                for i in range(swaps):
-                    v = (v1, v2)[i % 2]
-                    rv = st.registry.get(v)
-                    sha = _state_row(sessions, v).manifest_sha256
-                    for sn in list(st.nodes.values()):
-                        t = time.perf_counter()
-                        r = c.post(f"{sn.url}/admin/drafter", json={"version": v, "uri": rv.source, "sha256": sha})
-                        answer_s.append(time.perf_counter() - t)
-                        r.raise_for_status()
-                        pauses.append(r.json()["pause_ms"])
+            pauses, answer_s = _hot_swaps(st, (v1, v2), swaps, NODE_ADMIN_TOKEN)
             served_ok, failures = traffic.ok, list(traffic.failures)
         with sessions() as s:
             report = s.scalars(select(Version).where(Version.version == v2)).one()
@@ -162,6 +131,50 @@ def run(target: str = "tiny", out: Path = Path("out/bench-promotion"), swaps: in
     (out / "result.json").write_text(json.dumps(result, indent=2))
     _plot(result, out / "timeline.png")
     return result
+
+
+def _watch(sessions, version: str, t0: float, marks: dict[str, float], stop: threading.Event) -> None:
+    """Record when ``version`` reaches each state and each node serves it (seconds after ``t0``)."""
+    from sqlalchemy import select
+
+    from controlplane.models import Node, Promotion, Version
+
+    while not stop.is_set():
+        now = time.monotonic() - t0
+        with sessions() as s:
+            v = s.get(Version, version)
+            p = s.scalars(select(Promotion).where(Promotion.version == version)).first()
+            nodes = {n.node_id: n.served_version for n in s.scalars(select(Node))}
+        if v is not None:
+            marks.setdefault("discovered", now)
+            for state in ("evaluating", "awaiting_approval", "approved", "canary", "champion"):
+                if v.state == state or (state == "evaluating" and v.state != "registered"):
+                    marks.setdefault(f"state_{state}", now)
+        if p is not None:
+            marks.setdefault(f"promotion_{p.state}", now)
+        for nid, served in nodes.items():
+            if served == version:
+                marks.setdefault(f"{nid}_serves", now)
+        time.sleep(0.05)
+
+
+def _hot_swaps(st, versions: tuple[str, str], swaps: int, admin_token: str) -> tuple[list[float], list[float]]:
+    """Alternate the two versions on every node through its admin endpoint; (pause ms, answer s) per load."""
+    import httpx
+
+    pauses, answer_s = [], []
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {admin_token}"}) as c:
+        for i in range(swaps):
+            v = versions[i % 2]
+            rv = st.registry.get(v)
+            sha = _state_row(st.workers.sessions, v).manifest_sha256
+            for sn in list(st.nodes.values()):
+                t = time.perf_counter()
+                r = c.post(f"{sn.url}/admin/drafter", json={"version": v, "uri": rv.source, "sha256": sha})
+                answer_s.append(time.perf_counter() - t)
+                r.raise_for_status()
+                pauses.append(r.json()["pause_ms"])
+    return pauses, answer_s
 
 
 def _round(x: float | None) -> float | None:

@@ -19,8 +19,6 @@ import sqlite3
 import time
 from pathlib import Path
 
-import httpx
-
 from bench import soak_invariants as checks
 from bench import soak_probe as probe
 from bench.soak_faults import FAULTS, Injector
@@ -32,7 +30,7 @@ FLOOD_MAX_TOKENS = 100
 
 
 def start_stack(settings, nodes: int, learners: int, database: str, timeout_s: float) -> dict:
-    from adaflash import stack
+    import stack
 
     extra = ["--random-ports", "--only", ",".join(stack.ALL_PARTS), "--nodes", str(nodes),
              "--learners", str(learners), "--database", database]
@@ -179,19 +177,19 @@ def _final_checks(settings, ep: dict, admin: str, scraper: FeedbackScraper, lear
 def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[str], out: Path,
         slo_ttft_s: float = 30.0, database: str = "sqlite", ready_timeout_s: float = 900.0,
         flood: bool = True, stream_bound_s: float = 120.0) -> dict:
-    from adaflash import stack
+    import stack
+    from adaflash.controlplane_client import ControlPlaneClient
+    from adaflash.credentials import read_file
 
     out.mkdir(parents=True, exist_ok=True)
     state = start_stack(settings, 2, 2, database, ready_timeout_s)
     ep = state["endpoints"]
     home = Path(ep["state_dir"])
     learner_dirs = [home / "learner", home / "learner-2"]
-    admin = Path(ep["admin_token_file"]).read_text().strip()
+    admin = read_file(ep["admin_token_file"]) or ""
     if flood:  # the flooding tenant may hold two requests in flight (prompt + max_tokens ~ 45 tokens each)
-        httpx.put(f"{ep['controlplane_api']}/tenants/{FLOOD_TENANT}/policy",
-                  headers={"Authorization": f"Bearer {admin}"},
-                  json={"max_queued": FLOOD_MAX_QUEUED, "max_tokens": FLOOD_MAX_TOKENS}, timeout=10
-                  ).raise_for_status()
+        with ControlPlaneClient(ep["controlplane_url"], admin, timeout_s=10) as cp:
+            cp.set_tenant_policy(FLOOD_TENANT, max_queued=FLOOD_MAX_QUEUED, max_tokens=FLOOD_MAX_TOKENS)
     traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts(), flood_threads=4 if flood else 0)
     inj = Injector(settings, traffic.now, admin)
     scraper = FeedbackScraper(settings, ep["dataplane_urls"])

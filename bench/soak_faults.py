@@ -45,7 +45,7 @@ class Injector:
         self._threads: list[threading.Thread] = []
 
     def _state(self) -> dict:
-        from adaflash.stack import live_status
+        from adaflash.stack_state import live_status
 
         return live_status(self.settings)
 

@@ -69,7 +69,7 @@ class FeedbackScraper:
             self.scrape()
 
     def scrape(self) -> None:
-        from adaflash.stack import live_status
+        from stack import live_status
 
         procs = live_status(self.settings).get("processes", {})
         for part, url in zip(NODE_PARTS, self.urls, strict=False):

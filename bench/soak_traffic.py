@@ -41,7 +41,7 @@ def load_prompts(n: int = 16) -> dict[str, list[str]]:
     out = {}
     for domain in ("chat", "code"):
         try:
-            from adaflash.datasets import heldout_prompts
+            from promptsets import heldout_prompts
 
             out[domain] = [r["prompt"][:600] for r in heldout_prompts(domain, n)] or FALLBACK_PROMPTS[domain]
         except Exception:  # noqa: BLE001 - the dataset package is optional for a soak

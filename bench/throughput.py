@@ -27,7 +27,7 @@ DOMAINS = ("chat", "code", "math")
 
 
 def load_prompts(path: str | None, per_domain: int) -> list[dict]:
-    from adaflash.datasets import heldout_prompts, read_jsonl
+    from promptsets import heldout_prompts, read_jsonl
 
     if path:
         rows = read_jsonl(path)

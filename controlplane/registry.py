@@ -72,11 +72,6 @@ class VerifiedArtifact:
     manifest_sha256: str
 
 
-def tracking_uri(settings: Settings) -> str:
-    """Configured tracking URI, or SQLite under $ADAFLASH_HOME (artifacts beside it)."""
-    return tracking_location(settings)[0]
-
-
 def _is_missing(e: MlflowException) -> bool:
     return e.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
 

@@ -3,7 +3,7 @@
 :class:`TracingMiddleware` (pure ASGI) opens a span ``<METHOD> <route>`` (route template
 with its router prefixes) around every request, continuing the caller's trace when it
 sends a ``traceparent``. The workers' spans (``shadow_evaluation``, ``gate``,
-``rollout``) are made where the work happens (controlplane/shadow.py, rollout.py).
+``rollout``) are made where the work happens (controlplane/shadow/, rollout.py).
 A no-op until ``setup_telemetry(CONTROLPLANE, settings)`` ran in the process.
 """
 

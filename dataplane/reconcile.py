@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import UTC, datetime
+from datetime import UTC
 
 import httpx
 
 from adaflash import credentials
+from adaflash.contracts.admin_api import DeletionAckIn
+from adaflash.controlplane_client import ControlPlaneClient
 from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
 
@@ -35,6 +37,7 @@ class Reconciler:
         self.public_url = public_url
         self.interval = interval_s
         self.client = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {token}"})
+        self.cp = ControlPlaneClient(base_url, token, timeout_s=10.0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failed_versions: dict[str, str] = {}  # version -> reason, so a bad one is not retried forever
@@ -83,28 +86,22 @@ class Reconciler:
 
     def deletions(self) -> list[dict]:
         """Execute the deletion requests awaiting this node; returns the acknowledgements sent."""
-        r = self.client.get(f"{self.base}/api/v1/deletion-requests",
-                            params={"instance": self.node.node_id, "state": "open"})
-        r.raise_for_status()
         sent = []
-        for req in r.json():
-            tenant = req["tenant_id"]
-            before = datetime.fromisoformat(req["created_at"])
-            before = before if before.tzinfo else before.replace(tzinfo=UTC)
+        for req in self.cp.deletion_work(self.node.node_id):
+            before = req.created_at if req.created_at.tzinfo else req.created_at.replace(tzinfo=UTC)
             emitter = getattr(self.node, "emitter", None)
             if emitter is not None:
-                report = emitter.purge_stores(tenant, before)
+                report = emitter.purge_stores(req.tenant_id, before)
                 if report.failed:
-                    log.error("deletion %s: stores %s failed; retried", req["id"], sorted(report.failed))
+                    log.error("deletion %s: stores %s failed; retried", req.id, sorted(report.failed))
                     continue
                 purged, detail = report.purged, {}
             else:
                 purged, detail = {}, {"feedback": "disabled on this node"}
-            body = {"component": "node", "instance": self.node.node_id, "purged": purged, "detail": detail}
-            a = self.client.post(f"{self.base}/api/v1/deletion-requests/{req['id']}/ack", json=body)
-            a.raise_for_status()
-            log.info("deletion %s of tenant %s: purged %s", req["id"], tenant, purged)
-            sent.append(body | {"request_id": req["id"]})
+            ack = DeletionAckIn(component="node", instance=self.node.node_id, purged=purged, detail=detail)
+            self.cp.ack_deletion(req.id, ack)
+            log.info("deletion %s of tenant %s: purged %s", req.id, req.tenant_id, purged)
+            sent.append(ack.model_dump(mode="json") | {"request_id": req.id})
         return sent
 
     def start(self) -> None:
@@ -124,3 +121,4 @@ class Reconciler:
         if self._thread:
             self._thread.join(timeout=5)
         self.client.close()
+        self.cp.close()

@@ -53,12 +53,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    """Whether something accepts TCP connections on ``host:port``."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True
     except OSError:
         return False
+
+
+def metadata_ok(bootstrap: str, timeout: float = 3.0, client_id: str = "adaflash-broker-probe") -> tuple[bool, str]:
+    """Whether the broker at ``bootstrap`` answers a Kafka metadata request, and why not."""
+    host, _, port = bootstrap.rpartition(":")
+    if not port_open(host, int(port), timeout=min(timeout, 0.5)):
+        return False, "port closed"
+    try:
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000),
+                                 client_id=client_id)
+        try:
+            admin.list_topics()
+        finally:
+            admin.close()
+    except Exception as e:  # noqa: BLE001 - not ready yet
+        return False, type(e).__name__
+    return True, "metadata ok"
 
 
 class TansuBroker:
@@ -128,24 +148,15 @@ class TansuBroker:
         log.info("tansu started pid=%s on %s", self._proc.pid, url)
 
     def _wait_ready(self) -> None:
-        from kafka import KafkaAdminClient
-
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 raise BrokerError(f"tansu exited with {self._proc.returncode if self._proc else None}; "
                                   f"see {self.log_path}")
-            if _port_open(self.host, self.port):
-                try:
-                    admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000,
-                                             client_id="adaflash-broker-probe")
-                    try:
-                        admin.list_topics()
-                    finally:
-                        admin.close()
-                    return
-                except Exception as e:  # noqa: BLE001 - not ready yet
-                    log.debug("tansu not ready: %s", type(e).__name__)
+            ok, why = metadata_ok(self.bootstrap)
+            if ok:
+                return
+            log.debug("tansu not ready: %s", why)
             time.sleep(0.1)
         raise BrokerError(f"tansu not ready after {self.ready_timeout_s}s on {self.bootstrap}")
 
@@ -169,7 +180,7 @@ class TansuBroker:
         self._terminate()
         if self.port is not None:
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and _port_open(self.host, self.port):
+            while time.monotonic() < deadline and port_open(self.host, self.port):
                 time.sleep(0.05)
 
     def kill(self) -> None:

@@ -19,10 +19,13 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from adaflash.config import GovernanceConfig
 from adaflash.contracts.tenancy import TenantPolicy
+
+if TYPE_CHECKING:
+    from adaflash.controlplane_client import ControlPlaneClient
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class StaticPolicySource:
 
 
 class HttpPolicySource:
-    """``GET {base_url}/api/v1/tenants/{tenant_id}/policy`` -> TenantPolicy JSON, cached.
+    """``GET {base_url}/api/v1/tenants/{tenant_id}/policy`` (the typed control-plane client) -> TenantPolicy, cached.
 
     The control plane answers every tenant (its defaults for one nobody configured), so
     anything but a valid policy of the asked tenant is a failure: the last good policy
@@ -71,14 +74,13 @@ class HttpPolicySource:
     """
 
     def __init__(self, base_url: str, *, ttl_s: float = 30.0, timeout_s: float = 1.0, retry_s: float = 5.0,
-                 token: str | None = None, client=None):
-        import httpx
+                 token: str | None = None, client: ControlPlaneClient | None = None):
+        from adaflash.controlplane_client import ControlPlaneClient
 
         self.base_url = base_url.rstrip("/")
         self.ttl_s = ttl_s
         self.retry_s = retry_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = client or httpx.Client(timeout=timeout_s, headers=headers)
+        self._client = client or ControlPlaneClient(self.base_url, token or "", timeout_s=timeout_s)
         self._cache: dict[str, tuple[TenantPolicy, float]] = {}  # tenant -> (policy, expires monotonic)
         self._unknown_until: dict[str, float] = {}  # tenant with no policy -> next try (monotonic)
         self._lock = threading.Lock()
@@ -108,14 +110,9 @@ class HttpPolicySource:
             return None
 
     def _fetch(self, tenant_id: str) -> TenantPolicy | None:
-        from urllib.parse import quote
-
         self.counters["fetches"] += 1
-        url = f"{self.base_url}/api/v1/tenants/{quote(tenant_id, safe='')}/policy"
         try:
-            r = self._client.get(url)
-            r.raise_for_status()
-            p = TenantPolicy.model_validate(r.json())
+            p = self._client.get_tenant_policy(tenant_id)
             if p.tenant_id != tenant_id:
                 raise ValueError("policy for another tenant")
             return p

@@ -1,6 +1,6 @@
 """Target-labelled training data for the offline drafter, resumable and cached.
 
-Two kinds of sequences, both from the training split of ``adaflash.datasets`` only:
+Two kinds of sequences, both from the training split of ``promptsets`` only:
 
 - ``tf`` (teacher-forced): real text (chat template with the ShareGPT human turn and
   its gpt answer; HumanEval prompt + canonical solution; synthetic math problem + its
@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from adaflash import datasets as ds
+import promptsets as ds
 
 KINDS = ("regen", "tf")
 # Hidden states kept on disk: the drafter's default layers (1, 10, 18, 27 for 30 layers)

@@ -17,23 +17,22 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import UTC, datetime
-
-import httpx
+from datetime import UTC
 
 from adaflash import credentials
+from adaflash.contracts.admin_api import DeletionAckIn
+from adaflash.controlplane_client import ControlPlaneClient
 
 log = logging.getLogger("adaflash.learner.deletion")
 
 
 class DeletionPoller:
     def __init__(self, learner, base_url: str, token: str, learner_id: str, interval_s: float = 10.0,
-                 client: httpx.Client | None = None):
+                 client: ControlPlaneClient | None = None):
         self.learner = learner
-        self.base = base_url.rstrip("/")
         self.learner_id = learner_id
         self.interval = interval_s
-        self.client = client or httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {token}"})
+        self.client = client or ControlPlaneClient(base_url, token, timeout_s=10.0)
         self._next = 0.0
         self.last_error: str | None = None
 
@@ -47,19 +46,14 @@ class DeletionPoller:
 
     def tick(self) -> list[dict]:
         """Execute every open request awaiting this learner; returns the acknowledgements sent."""
-        r = self.client.get(f"{self.base}/api/v1/deletion-requests",
-                            params={"instance": self.learner_id, "state": "open"})
-        r.raise_for_status()
         sent = []
-        for req in r.json():
-            before = datetime.fromisoformat(req["created_at"])
-            before = before if before.tzinfo else before.replace(tzinfo=UTC)
-            purged, detail = self.learner.purge_tenant(req["tenant_id"], before)
-            body = {"component": "learner", "instance": self.learner_id, "purged": purged, "detail": detail}
-            a = self.client.post(f"{self.base}/api/v1/deletion-requests/{req['id']}/ack", json=body)
-            a.raise_for_status()
-            log.info("deletion %s of tenant %s: purged %s", req["id"], req["tenant_id"], purged)
-            sent.append(body | {"request_id": req["id"]})
+        for req in self.client.deletion_work(self.learner_id):
+            before = req.created_at if req.created_at.tzinfo else req.created_at.replace(tzinfo=UTC)
+            purged, detail = self.learner.purge_tenant(req.tenant_id, before)
+            ack = DeletionAckIn(component="learner", instance=self.learner_id, purged=purged, detail=detail)
+            self.client.ack_deletion(req.id, ack)
+            log.info("deletion %s of tenant %s: purged %s", req.id, req.tenant_id, purged)
+            sent.append(ack.model_dump(mode="json") | {"request_id": req.id})
         return sent
 
     def maybe_tick(self) -> None:

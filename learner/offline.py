@@ -25,51 +25,17 @@ import os
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from adaflash.config import OfflineConfig
 from learner import data as D
+from learner.offline_plots import plot
 
-
-@dataclass
-class TrainConfig:
-    seed: int = 0
-    num_layers: int = 1
-    target_layers: list[int] = field(default_factory=lambda: [1, 10, 18, 27, 29])
-    init_from_target: bool = True
-    init_bigram: bool = True  # write a low-rank bigram model into the first layer (learner.offline_init)
-    bigram_temperature: float = 0.15
-    init_layers: list[int] | None = None  # target layers copied into the drafter (default: the last ones)
-    draft_vocab_size: int = 8192  # 0: full vocabulary
-    vocab_prior: bool = True  # add reference-text token counts to the label counts
-    block_size: int = 16
-    head_hidden: int = 128
-    seqs_per_step: int = 4
-    anchors_per_seq: int = 8
-    steps: int = 4000
-    lr: float = 1e-3
-    head_lr: float = 2e-4
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.01
-    decay: float = 7.0  # per-position loss weight exp(-(i-1)/decay)
-    kinds: list[str] = field(default_factory=lambda: ["regen", "tf"])
-    domains: list[str] = field(default_factory=lambda: ["chat", "code", "math"])
-    streams: list[str] = field(default_factory=list)  # e.g. ["regen-math", "tf-chat"]; empty: kinds x domains
-    domain_weights: dict[str, float] = field(default_factory=dict)  # sampling weight per domain; empty: uniform
-    tf_consistent_mask: bool = True
-    val_every: int = 250
-    ckpt_every: int = 250
-    eval_every: int = 0  # steps between held-out tau evaluations (0: only at the end)
-    eval_prompts: int = 6
-    eval_max_tokens: int = 96
-    rescan_every: int = 500  # pick up shards written since the start
-    max_shard_seqs_val: int = 1  # sequences per shard kept for validation
-    threads: int = 1
-    time_budget_s: float = 0.0
+# The training settings are typed in the one configuration (section ``offline``).
+TrainConfig = OfflineConfig
 
 
 # Settings that may change when a run is resumed (steps: the schedule is recomputed).
@@ -134,7 +100,7 @@ class Pool:
 def text_token_counts(tok, n_per_domain: int = 1500) -> Counter:
     """Token frequencies of training reference texts (tokenizer only, no target): a prior
     for the draft vocabulary while few target-labelled shards exist."""
-    from adaflash import datasets as ds
+    import promptsets as ds
 
     c: Counter = Counter()
     for dom in ds.DOMAINS:
@@ -296,72 +262,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
 
 
-# --------------------------------------------------------------------------- plots
-
-
-def plot(out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip()]
-    tr = [r for r in rows if r["type"] == "train"]
-    if tr:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in tr], [r["loss"] for r in tr], lw=0.6, label="train CE (decay-weighted)")
-        va = [r for r in rows if r["type"] == "val"]
-        for dom in sorted({d for r in va for d in r["val"]}):
-            pts = [(r["step"], r["val"][dom]["loss"]) for r in va if dom in r["val"]]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=f"val {dom}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "loss.png", dpi=100)
-        plt.close(fig)
-    ev = [r for r in rows if r["type"] == "eval"]
-    va = [r for r in rows if r["type"] == "val"]
-    if ev or va:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for dom, color in (("chat", "tab:blue"), ("code", "tab:green"), ("math", "tab:purple")):
-            pts = [(r["step"], r["tau"][dom]) for r in ev if dom in r.get("tau", {})]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=f"held-out tau {dom} (engine, k=16)")
-            pts = [(r["step"], r["val"][dom]["sim_tau"]) for r in va if dom in r["val"]]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), ls="--", lw=0.8, color=color,
-                        label=f"simulated tau {dom} (train-dist val)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("tau (mean accepted length)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "tau.png", dpi=100)
-        plt.close(fig)
-
-
 # --------------------------------------------------------------------------- the loop
 
 
-def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainConfig, progress: bool = True,
-          target_identity: dict | None = None) -> dict:
-    from tqdm import tqdm
-
-    torch.set_num_threads(cfg.threads)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-    stored = D.store_layers(target.args.num_layers)
-    pool = Pool(data_root, cfg, list(stored))
-    if not pool.train:
-        raise RuntimeError(f"no training shards under {data_root}; run `python -m learner.data` first")
-    ckpt = out / "ckpt.pt"
+def _restore_or_init(target, tok, pool: Pool, ckpt: Path, cfg: TrainConfig):
+    """(drafter, checkpoint state or None, initialisation stats): resumed from ``ckpt`` when it
+    exists (refused if written with another configuration), else freshly initialised."""
     drafter = build_drafter(target, cfg)
     init_stats = None
     state = None
     if ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        changed = {k for k in set(state["config"]) | set(asdict(cfg))
-                   if state["config"].get(k) != asdict(cfg).get(k) and k not in RUN_CONTROL}
+        changed = {k for k in set(state["config"]) | set(cfg.model_dump())
+                   if state["config"].get(k) != cfg.model_dump().get(k) and k not in RUN_CONTROL}
         if changed:
             raise RuntimeError(f"{ckpt} was written with a different configuration ({sorted(changed)}); "
                                "use another --out")
@@ -379,22 +292,88 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
             init_stats = fit_bigram(drafter, target, bigram_counts([e for v in pool.train.values() for e in v]),
                                     temperature=cfg.bigram_temperature)
     drafter.bind(target)
-    vocab_index = None
-    if cfg.draft_vocab_size:
-        vocab_index = torch.full((target.args.vocab_size,), -1, dtype=torch.int64)
-        vocab_index[drafter.vocab_map] = torch.arange(drafter.vocab_map.numel())
+    return drafter, state, init_stats
+
+
+def _vocab_index(drafter, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64: each target token's index in the draft vocabulary, -1 where absent."""
+    index = torch.full((vocab_size,), -1, dtype=torch.int64)
+    index[drafter.vocab_map] = torch.arange(drafter.vocab_map.numel())
+    return index
+
+
+def _resume(state: dict | None, opt, rng: random.Random) -> tuple[int, float, int, float]:
+    """Optimiser and RNG state from a checkpoint; (step, compute_s, seen_tokens, cpu_s) so far."""
+    if state is None:
+        return 0, 0.0, 0, 0.0
+    opt.load_state_dict(state["opt"])
+    rng.setstate(state["rng"])
+    return state["step"], state["compute_s"], state["seen_tokens"], state.get("cpu_s", 0.0)
+
+
+def _optimizer(drafter, cfg: TrainConfig):
+    """AdamW over the drafter body and (own learning rate, no decay) the length head; also
+    returns the body's parameters, whose gradient norm is clipped."""
     head_params = list(drafter.length_head.parameters())
     hp = {id(p) for p in head_params}
     body = [p for p in drafter.parameters() if id(p) not in hp and p.requires_grad]
     opt = torch.optim.AdamW([{"params": body, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
                              {"params": head_params, "lr": cfg.head_lr, "weight_decay": 0.0}])
-    step, compute_s, seen_tokens, cpu_s = 0, 0.0, 0, 0.0
+    return opt, body
+
+
+def _train_step(drafter, opt, body, pool: Pool, cfg: TrainConfig, rng: random.Random, w, vocab_index, step: int):
+    """One optimiser step; returns (loss, head loss, stats, examples)."""
+    for g, base in zip(opt.param_groups, (cfg.lr, cfg.head_lr), strict=True):
+        g["lr"] = base * lr_at(step, cfg)
+    exs = pool.sample(rng, cfg.seqs_per_step)
+    loss, head_loss, st = block_losses(drafter, exs, cfg, rng, w, vocab_index)
+    opt.zero_grad(set_to_none=True)
+    (loss + head_loss).backward()
+    torch.nn.utils.clip_grad_norm_(body, 1.0)
+    opt.step()
+    return loss, head_loss, st, exs
+
+
+def _training_record(cfg: TrainConfig, out: Path, data_root: Path, pool: Pool, step: int, stopped: str,
+                     seen_tokens: int, compute_s: float, cpu_s: float, val: dict, res: dict | None) -> dict:
+    """What the bundle's manifest and result.json say about this run."""
+    return {
+        "seed": cfg.seed, "config": cfg.model_dump(), "steps": step, "stopped": stopped,
+        "phases": [{"step": r["step"], "config": r["config"]} for r in
+                   (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip())
+                   if r["type"] == "start"],
+        "data": {"description": "target-labelled tokens from the training split of promptsets "
+                                "(ShareGPT V3 non-held-out conversations, HumanEval tasks 0-119, synthetic "
+                                "math seeds < 1,000,000): teacher-forced prefill over reference text (tf) and "
+                                "target greedy answers regenerated with the engine (regen)",
+                 "root": str(data_root), "trained_tokens_by_stream": pool.stream_tokens,
+                 "trained_tokens": pool.tokens, "validation_sequences": len(pool.val),
+                 "available_at_end": D.summary(data_root)},
+        "block_tokens_seen": seen_tokens, "blocks_seen": step * cfg.seqs_per_step * cfg.anchors_per_seq,
+        "compute": {"train_wall_seconds": round(compute_s, 1), "train_cpu_seconds": round(cpu_s, 1),
+                    "threads": cfg.threads, "device": "cpu",
+                    "data_prep_wall_seconds_of_trained_shards": round(pool.prep_seconds, 1)},
+        "val": val, "heldout_tau": res,
+    }
+
+
+def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainConfig, progress: bool = True,
+          target_identity: dict | None = None) -> dict:
+    from tqdm import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    pool = Pool(data_root, cfg, list(D.store_layers(target.args.num_layers)))
+    if not pool.train:
+        raise RuntimeError(f"no training shards under {data_root}; run `python -m learner.data` first")
+    ckpt = out / "ckpt.pt"
+    drafter, state, init_stats = _restore_or_init(target, tok, pool, ckpt, cfg)
+    vocab_index = _vocab_index(drafter, target.args.vocab_size) if cfg.draft_vocab_size else None
+    opt, body = _optimizer(drafter, cfg)
     rng = random.Random(cfg.seed)
-    if state is not None:
-        opt.load_state_dict(state["opt"])
-        step, compute_s, seen_tokens = state["step"], state["compute_s"], state["seen_tokens"]
-        cpu_s = state.get("cpu_s", 0.0)
-        rng.setstate(state["rng"])
+    step, compute_s, seen_tokens, cpu_s = _resume(state, opt, rng)
     log_f = open(out / "log.jsonl", "a")
 
     def log(row):
@@ -403,7 +382,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
 
     def save_ckpt():
         tmp = out / "ckpt.pt.tmp"
-        torch.save({"config": asdict(cfg), "drafter": drafter.state_dict(), "vocab_map": drafter.vocab_map,
+        torch.save({"config": cfg.model_dump(), "drafter": drafter.state_dict(), "vocab_map": drafter.vocab_map,
                     "opt": opt.state_dict(), "step": step, "compute_s": compute_s, "seen_tokens": seen_tokens, "cpu_s": cpu_s,
                     "rng": rng.getstate(), "pool_tokens": pool.tokens}, tmp)
         os.replace(tmp, ckpt)
@@ -418,7 +397,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
              "mean_tau": res["mean_tau"], "detail": res})
         return res
 
-    log({"type": "start", "step": step, "config": asdict(cfg), "pool_tokens": pool.tokens, "init": init_stats,
+    log({"type": "start", "step": step, "config": cfg.model_dump(), "pool_tokens": pool.tokens, "init": init_stats,
          "streams": sorted({Path(p).parent.name for p in pool.loaded})})
     if step == 0 and cfg.val_every:
         drafter.eval()
@@ -437,14 +416,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
                 log({"type": "data", "step": step, "pool_tokens": pool.tokens,
                      "seqs": {d: len(v) for d, v in pool.train.items()}})
         t0, c0 = time.time(), time.process_time()
-        for g, base in zip(opt.param_groups, (cfg.lr, cfg.head_lr), strict=True):
-            g["lr"] = base * lr_at(step, cfg)
-        exs = pool.sample(rng, cfg.seqs_per_step)
-        loss, head_loss, st = block_losses(drafter, exs, cfg, rng, w, vocab_index)
-        opt.zero_grad(set_to_none=True)
-        (loss + head_loss).backward()
-        torch.nn.utils.clip_grad_norm_(body, 1.0)
-        opt.step()
+        loss, head_loss, st, exs = _train_step(drafter, opt, body, pool, cfg, rng, w, vocab_index, step)
         step += 1
         compute_s += time.time() - t0
         cpu_s += time.process_time() - c0
@@ -472,25 +444,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     log({"type": "val", "step": step, "val": val})
     res = run_eval() if cfg.eval_prompts else None
     plot(out)
-    summary = D.summary(data_root)
-    training = {
-        "seed": cfg.seed, "config": asdict(cfg), "steps": step, "stopped": stopped,
-        "phases": [{"step": r["step"], "config": r["config"]} for r in
-                   (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip())
-                   if r["type"] == "start"],
-        "data": {"description": "target-labelled tokens from the training split of adaflash.datasets "
-                                "(ShareGPT V3 non-held-out conversations, HumanEval tasks 0-119, synthetic "
-                                "math seeds < 1,000,000): teacher-forced prefill over reference text (tf) and "
-                                "target greedy answers regenerated with the engine (regen)",
-                 "root": str(data_root), "trained_tokens_by_stream": pool.stream_tokens,
-                 "trained_tokens": pool.tokens, "validation_sequences": len(pool.val),
-                 "available_at_end": summary},
-        "block_tokens_seen": seen_tokens, "blocks_seen": step * cfg.seqs_per_step * cfg.anchors_per_seq,
-        "compute": {"train_wall_seconds": round(compute_s, 1), "train_cpu_seconds": round(cpu_s, 1),
-                    "threads": cfg.threads, "device": "cpu",
-                    "data_prep_wall_seconds_of_trained_shards": round(pool.prep_seconds, 1)},
-        "val": val, "heldout_tau": res,
-    }
+    training = _training_record(cfg, out, data_root, pool, step, stopped, seen_tokens, compute_s, cpu_s, val, res)
     bundle = out / "bundle"
     from dataplane.drafter_io import save_bundle
     from dataplane.target_cache import target_identity as tid

@@ -1,6 +1,6 @@
 """Held-out tau: real speculative decoding with the engine, mode ``fixed`` (k = 16), greedy.
 
-Prompts come only from ``adaflash.datasets.heldout_prompts`` (ShareGPT index % 10 == 0,
+Prompts come only from ``promptsets.heldout_prompts`` (ShareGPT index % 10 == 0,
 HumanEval 120..163, synthetic math seeds >= 1,000,000), shown to the target with the chat
 template exactly as in training. tau per domain is the pooled mean accepted length:
 (accepted draft tokens + rounds) / rounds over all requests of the domain; the outputs
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from adaflash import datasets as ds
+import promptsets as ds
 
 DOMAINS = ("chat", "code", "math")
 

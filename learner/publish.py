@@ -45,11 +45,6 @@ class Published:
     manifest_sha256: str
 
 
-def tracking_uri(settings: Settings) -> tuple[str, Path | None]:
-    """(tracking URI, local artifact root or None): the same store as the control plane's."""
-    return tracking_location(settings)
-
-
 class Publisher:
     def __init__(self, tracking_uri: str, target_identity: dict, artifact_root: str | Path | None = None):
         from mlflow import MlflowClient
@@ -62,7 +57,7 @@ class Publisher:
 
     @classmethod
     def from_settings(cls, settings: Settings, target_identity: dict) -> Publisher:
-        uri, root = tracking_uri(settings)
+        uri, root = tracking_location(settings)  # the same store as the control plane's
         return cls(uri, target_identity, root)
 
     def _experiment(self) -> str:

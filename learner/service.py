@@ -39,7 +39,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import dataplane
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord
 from adaflash.contracts.manifest import Lineage, OffsetRange
@@ -54,6 +53,7 @@ from adaflash.telemetry import (
 from dataplane.drafter import Drafter, new_drafter
 from dataplane.drafter_io import DrafterLoadError, load_bundle
 from dataplane.model import TargetModel
+from dataplane.node import STARTER_DIR  # the bundle a node serves when dataplane.drafter is empty
 from dataplane.runner import ModelRunner
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Tokenizer
@@ -66,8 +66,6 @@ log = logging.getLogger("adaflash.learner")
 _tracer = tracer(__name__, service=LEARNER)
 
 CRASH_ENV = "ADAFLASH_LEARNER_CRASH"
-# The committed starter bundle a node serves when dataplane.drafter is empty (dataplane/node.py).
-STARTER_DIR = Path(dataplane.__file__).parent / "starter"
 
 
 def _crash_point(phase: str, step: int) -> None:

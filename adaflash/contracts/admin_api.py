@@ -255,6 +255,16 @@ class PendingPurgeOut(BaseModel):
     segment_ms: int
 
 
+class DeletionAckIn(Input):
+    """A node's or learner's report that it purged the request's tenant from its stores."""
+
+    component: Literal["node", "learner"]
+    instance: NodeId  # the node id, or the learner's learner_id
+    purged: dict[Annotated[str, Field(pattern=ID_PATTERN)], Annotated[int, Strict(), Field(ge=0)]] = Field(
+        default_factory=dict, max_length=64)
+    detail: dict[Annotated[str, Field(pattern=ID_PATTERN)], Any] = Field(default_factory=dict, max_length=64)
+
+
 class DeletionOut(BaseModel):
     id: int
     tenant_id: str

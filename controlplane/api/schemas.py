@@ -6,10 +6,10 @@ clients import too); what only nodes and learners send, and the query parameters
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import Query
-from pydantic import BaseModel, Field, Strict
+from pydantic import BaseModel, Field
 
 from adaflash.contracts.admin_api import (  # noqa: F401  (re-exported for the routes)
     ID_PATTERN,
@@ -20,6 +20,7 @@ from adaflash.contracts.admin_api import (  # noqa: F401  (re-exported for the r
     ApproveIn,
     AuditEntryOut,
     AuditVerifyOut,
+    DeletionAckIn,
     DeletionComponentOut,
     DeletionIn,
     DeletionOut,
@@ -78,14 +79,3 @@ class DesiredOut(BaseModel):
 class HeartbeatOut(BaseModel):
     node_id: str
     desired: DesiredOut | None
-
-
-# -- tenants and deletion requests -----------------------------------------------------------------------
-class DeletionAckIn(Input):
-    """A node's or learner's report that it purged the request's tenant from its stores."""
-
-    component: Literal["node", "learner"]
-    instance: NodeId  # the node id, or the learner's learner_id
-    purged: dict[Annotated[str, Field(pattern=ID_PATTERN)], Annotated[int, Strict(), Field(ge=0)]] = Field(
-        default_factory=dict, max_length=64)
-    detail: dict[Annotated[str, Field(pattern=ID_PATTERN)], Any] = Field(default_factory=dict, max_length=64)

@@ -16,7 +16,7 @@ from adaflash.controlplane_client import (
     resolve_token,
     resolve_url,
 )
-from adaflash.stack import proc_start_time
+from adaflash.stack_state import proc_start_time
 
 
 @pytest.fixture

@@ -19,11 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from adaflash.config import DataplaneConfig
-from adaflash.datasets import heldout_prompts
 from dataplane.drafter import new_drafter
 from dataplane.engine import Engine
 from dataplane.node import STARTER_DIR
 from dataplane.sequence import SamplingParams, Sequence
+from promptsets import heldout_prompts
 
 pytestmark = pytest.mark.realmodel
 MAX_TOKENS = 16

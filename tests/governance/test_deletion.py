@@ -162,20 +162,11 @@ def _learner(tmp_path, broker, cp, token_file: Path):
                                              deletion_poll_s=0.0))
 
 
-def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
+def _learner_holding_both(tmp_path, broker, cp):
+    """A learner that trained on both tenants and holds more of both in its buffer."""
     from adaflash.contracts.topics import ensure_topics
-    from controlplane.db import session_scope
-    from dataplane.reconcile import Reconciler
-    from governance.emitter import build_emitter
-    from governance.policy import StaticPolicySource
     from learner.service import Learner
 
-    torch.set_num_threads(1)
-    cp = controlplane
-    node_key, learner_key = _key(cp, "node", node_id="node-1"), _key(cp, "learner", node_id="learner-0")
-    (tmp_path / "learner.token").write_text(learner_key)
-
-    # --- the learner trains on both tenants, then holds more of both in its buffer -------------
     ls = _learner(tmp_path, broker, cp, tmp_path / "learner.token")
     trained = [_rec(t, f"t{i}") for i in range(2) for t in (GONE, STAY)]
     ensure_topics(ls.kafka.bootstrap, ls.kafka, 3_600_000)
@@ -192,8 +183,15 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
             learner.handle(m)
     assert sorted(i.record.record_id for i in learner.buffer.held()) == sorted(r.record_id for r in held)
     assert sorted(r for r, _ in learner.store.ledger()) == sorted(r.record_id for r in trained)
+    return ls, first, learner, trained, held
 
-    # --- a node: broker unreachable, so its records wait in the spool; samples kept -----------
+
+def _node_spooling_both(tmp_path, cp, node_key):
+    """A node whose broker is unreachable: both tenants' records wait in its spool; samples kept."""
+    from dataplane.reconcile import Reconciler
+    from governance.emitter import build_emitter
+    from governance.policy import StaticPolicySource
+
     ns = load_config(home=tmp_path / "node-home", governance={"scrubber": "inline"},
                      kafka={"request_timeout_ms": 1000, "delivery_timeout_ms": 2000, "max_block_ms": 500})
     emitter = build_emitter(ns, bootstrap=f"127.0.0.1:{free_dead_port()}", policy=StaticPolicySource(),
@@ -214,6 +212,65 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
     rec = Reconciler(node, cp.url, node_key, "http://127.0.0.1:1")
     rec.tick()  # heartbeat: the control plane now knows node-1
     assert rec.last_error is None
+    return ns, emitter, spool, spooled, rec
+
+
+def _assert_scoped_to_the_node(cp, req, node_key) -> None:
+    """A node sees only its own work; it cannot act for another instance or a learner."""
+    work = httpx.get(f"{cp.url}/api/v1/deletion-requests", params={"instance": "node-1"},
+                     headers={"Authorization": f"Bearer {node_key}"})
+    assert [w["id"] for w in work.json()] == [req["id"]]
+    other = httpx.get(f"{cp.url}/api/v1/deletion-requests", params={"instance": "node-2"},
+                      headers={"Authorization": f"Bearer {node_key}"})
+    assert other.status_code == 403
+    bad = httpx.post(f"{cp.url}/api/v1/deletion-requests/{req['id']}/ack", json={"component": "learner",
+                     "instance": "learner-0"}, headers={"Authorization": f"Bearer {node_key}"})
+    assert bad.status_code == 403
+
+
+def _assert_every_component_purged(done: dict) -> None:
+    """What each component purged, what Kafka still holds and until when, the candidates trained on it."""
+    by = {(c["component"], c["instance"]): c for c in done["components"]}
+    assert by[("node", "node-1")]["purged"] == {"emitter_queue": 0, "producer_queue": 0, "spool": 2,
+                                                "usage_audit": 2}
+    assert by[("learner", "learner-0")]["purged"] == {"replay_buffer": 1, "deferred": 0, "unfinished": 0,
+                                                      "ledger_ids": 2, "dedup_ids": 2}
+    assert by[("learner", "learner-0")]["detail"]["weights_trained_on_tenant"] is True
+    last_ack = max(datetime.fromisoformat(c["acked_at"]) for c in done["components"])
+    topics = {p["store"]: datetime.fromisoformat(p["gone_by"]) for p in done["pending"]}
+    assert set(topics) == {"kafka:fb-del", "kafka:dlq-del"}
+    assert topics["kafka:fb-del"] == last_ack + timedelta(days=30, hours=1)  # default TTL + segment roll
+    assert datetime.fromisoformat(done["complete_by"]) == topics["kafka:fb-del"]
+    assert [(c["version"], c["trained_on"]) for c in done["trained_in_candidates"]] == \
+        [("7", "directly"), ("8", "parent 7")]
+    assert done["result"]["trained_in_candidates"] == done["trained_in_candidates"]
+
+
+def _assert_audited(cp, req) -> None:
+    """The audit chain verifies and records every step of the request."""
+    v = httpx.get(f"{cp.url}/api/v1/audit/verify", headers=cp.admin).json()
+    assert v["ok"] is True
+    entries = httpx.get(f"{cp.url}/api/v1/audit", params={"tenant_id": GONE, "limit": 100}, headers=cp.admin).json()
+    actions = [e["action"] for e in entries if e["target"] == f"deletion:{req['id']}"]
+    assert actions[0] == "deletion.request" and actions[1] == "deletion.purge" and actions[-1] == "deletion.complete"
+    assert actions.count("deletion.ack") == 2
+    complete = entries[-1]["after"]
+    assert {p["store"] for p in complete["pending"]} == {"kafka:fb-del", "kafka:dlq-del"}
+
+
+def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
+    from controlplane.db import session_scope
+
+    torch.set_num_threads(1)
+    cp = controlplane
+    node_key, learner_key = _key(cp, "node", node_id="node-1"), _key(cp, "learner", node_id="learner-0")
+    (tmp_path / "learner.token").write_text(learner_key)
+
+    # --- the learner trains on both tenants, then holds more of both in its buffer -------------
+    ls, first, learner, trained, held = _learner_holding_both(tmp_path, broker, cp)
+
+    # --- a node: broker unreachable, so its records wait in the spool; samples kept -----------
+    ns, emitter, spool, spooled, rec = _node_spooling_both(tmp_path, cp, node_key)
 
     # --- the control plane: a report with both tenants' slices, a JSONL window ----------------
     window = [_rec(t, f"w{i}", record_id=_eval_id()) for i in range(2) for t in (GONE, STAY)]
@@ -237,16 +294,7 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
     cp_ack = next(c for c in req["components"] if c["component"] == "controlplane")
     assert cp_ack["state"] == "acked" and cp_ack["purged"] == {"evaluation_reports": 1, "evaluation_window": 2,
                                                            "evaluation_window_copy": 0}
-    # a node sees only its own work; an auditor of the other tenant sees nothing of it
-    work = httpx.get(f"{cp.url}/api/v1/deletion-requests", params={"instance": "node-1"},
-                     headers={"Authorization": f"Bearer {node_key}"})
-    assert [w["id"] for w in work.json()] == [req["id"]]
-    other = httpx.get(f"{cp.url}/api/v1/deletion-requests", params={"instance": "node-2"},
-                      headers={"Authorization": f"Bearer {node_key}"})
-    assert other.status_code == 403
-    bad = httpx.post(f"{cp.url}/api/v1/deletion-requests/{req['id']}/ack", json={"component": "learner",
-                     "instance": "learner-0"}, headers={"Authorization": f"Bearer {node_key}"})
-    assert bad.status_code == 403
+    _assert_scoped_to_the_node(cp, req, node_key)
 
     rec.tick()  # the node purges and acknowledges
     assert rec.deletions() == []  # nothing left for it
@@ -255,20 +303,7 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
     r = httpx.get(f"{cp.url}/api/v1/deletion-requests/{req['id']}", headers=cp.admin)
     done = r.json()
     assert done["state"] == "completed" and done["waiting_for"] == [] and not done["provisional"]
-    by = {(c["component"], c["instance"]): c for c in done["components"]}
-    assert by[("node", "node-1")]["purged"] == {"emitter_queue": 0, "producer_queue": 0, "spool": 2,
-                                                "usage_audit": 2}
-    assert by[("learner", "learner-0")]["purged"] == {"replay_buffer": 1, "deferred": 0, "unfinished": 0,
-                                                      "ledger_ids": 2, "dedup_ids": 2}
-    assert by[("learner", "learner-0")]["detail"]["weights_trained_on_tenant"] is True
-    last_ack = max(datetime.fromisoformat(c["acked_at"]) for c in done["components"])
-    topics = {p["store"]: datetime.fromisoformat(p["gone_by"]) for p in done["pending"]}
-    assert set(topics) == {"kafka:fb-del", "kafka:dlq-del"}
-    assert topics["kafka:fb-del"] == last_ack + timedelta(days=30, hours=1)  # default TTL + segment roll
-    assert datetime.fromisoformat(done["complete_by"]) == topics["kafka:fb-del"]
-    assert [(c["version"], c["trained_on"]) for c in done["trained_in_candidates"]] == \
-        [("7", "directly"), ("8", "parent 7")]
-    assert done["result"]["trained_in_candidates"] == done["trained_in_candidates"]
+    _assert_every_component_purged(done)
     listed = httpx.get(f"{cp.url}/api/v1/deletion-requests", params={"state": "completed"}, headers=cp.admin)
     assert [x["id"] for x in listed.json()] == [req["id"]]
 
@@ -294,14 +329,7 @@ def test_deletion_request_purges_every_store(tmp_path, broker, controlplane):
     assert {r.tenant_id for r in picked} == {STAY}
 
     # --- audit: the chain verifies and records every step ----------------------------------------
-    v = httpx.get(f"{cp.url}/api/v1/audit/verify", headers=cp.admin).json()
-    assert v["ok"] is True
-    entries = httpx.get(f"{cp.url}/api/v1/audit", params={"tenant_id": GONE, "limit": 100}, headers=cp.admin).json()
-    actions = [e["action"] for e in entries if e["target"] == f"deletion:{req['id']}"]
-    assert actions[0] == "deletion.request" and actions[1] == "deletion.purge" and actions[-1] == "deletion.complete"
-    assert actions.count("deletion.ack") == 2
-    complete = entries[-1]["after"]
-    assert {p["store"] for p in complete["pending"]} == {"kafka:fb-del", "kafka:dlq-del"}
+    _assert_audited(cp, req)
 
     # --- scan every file of every store ---------------------------------------------------------
     learner.close()

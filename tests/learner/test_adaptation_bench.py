@@ -8,7 +8,7 @@ from tests.learner.conftest import make_drafter
 
 
 def _answers(target, tok, n, max_tokens, tmp_path):
-    from adaflash import datasets as ds
+    import promptsets as ds
     from bench.adaptation import answer
 
     prompts = ds.train_prompts("math", n, offset=500_000)
@@ -81,8 +81,8 @@ def test_bench_cli_writes_result_and_plot(target_dir, drafter_dir, tmp_path, mon
 
 
 def test_narrow_domains_stream_training_prompts_and_score_on_the_heldout_split():
-    from adaflash.datasets import is_heldout
     from bench.adaptation import NARROW_DOMAINS
+    from promptsets import is_heldout
 
     for nd in NARROW_DOMAINS.values():
         stream, held = nd.stream(20), nd.heldout(5)
@@ -104,7 +104,7 @@ def test_bench_cli_rejects_bad_input(capsys):
 def test_answers_are_cached_per_prompt_across_counts(target, target_dir, tmp_path):
     """A longer run reuses the answers a shorter one (or an older per-count file) produced
     and generates only the missing prompts."""
-    from adaflash import datasets as ds
+    import promptsets as ds
     from bench.adaptation import _cache_file, answer
     from dataplane.tokenizer import Tokenizer
 

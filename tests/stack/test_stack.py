@@ -12,7 +12,10 @@ import httpx
 import pytest
 
 from adaflash.config import load_config
-from adaflash.stack import ALL_PARTS, group_members, learner_override_env, pid_alive, plan_stack
+from adaflash.stack_state import pid_alive
+from stack.plan import learner_override_env, plan_stack
+from stack.procs import group_members
+from stack.services import ALL_PARTS
 from tests.stack.conftest import adaflash, log_tails, status, tiny_env
 
 pytestmark = pytest.mark.services
@@ -45,7 +48,7 @@ def test_learner_overrides_leave_explicit_learner_settings(tmp_path, monkeypatch
     settings = load_config()
     env = learner_override_env(settings)
     assert "ADAFLASH_LEARNER__BUFFER_SIZE" not in env  # set by the operator: left alone
-    assert env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"] == str(settings.stack.learner_overrides["anchors_per_record"])
+    assert env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"] == str(settings.stack.learner_overrides.anchors_per_record)
     services, _, _ = plan_stack(settings, random_ports=True, parts=["broker", "learner"])
     learner = next(s for s in services if s.name == "learner")
     assert learner.env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"] == env["ADAFLASH_LEARNER__ANCHORS_PER_RECORD"]
@@ -212,8 +215,8 @@ def test_plan_of_two_nodes_and_two_learners_on_postgres(tmp_path, monkeypatch):
 
 
 def test_stack_postgres_database_is_created_once_and_dropped(tmp_path):
-    from adaflash import stack_parts
     from controlplane.db import upgrade
+    from stack import parts as stack_parts
 
     dsn = load_config().stack.postgres_admin_dsn
     name = stack_parts.new_database_name()

@@ -160,7 +160,7 @@ def test_file_exporter_writes_json_lines(tmp_path):
 
 
 def test_file_path_template_and_otlp_urls(tmp_path):
-    from adaflash.telemetry import _otlp_urls
+    from adaflash.telemetry.exporters import _otlp_urls
 
     s = _settings(tmp_path, exporter="file", file_path=str(tmp_path / "t" / "spans-{service}.jsonl"))
     tel = setup_telemetry(CONTROLPLANE, s)

@@ -8,7 +8,14 @@ import torch
 from dataplane import kernels
 from dataplane.kernels import greedy_accept, greedy_accept_torch, greedy_accept_triton
 from dataplane.kernels.greedy import row_argmax_triton
-from tests.kernels.helpers import gen, random_k_hat, requires_triton, segments, stream_layout, to_device
+from tests.dataplane.kernels.helpers import (
+    gen,
+    random_k_hat,
+    requires_triton,
+    segments,
+    stream_layout,
+    to_device,
+)
 
 
 def greedy_naive(logits, token_ids, cu_seqlens):

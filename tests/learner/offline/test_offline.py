@@ -72,7 +72,8 @@ def test_train_resume_bundle_and_eval(tiny_target, tok, tmp_path):
     _prepare(tiny_target, tok, root)
     cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=64, head_hidden=16, steps=40,
                         lr=3e-3, warmup=5, seqs_per_step=2, anchors_per_seq=4, val_every=20, eval_prompts=2,
-                        eval_max_tokens=12, domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0)
+                        eval_max_tokens=12, domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0,
+                        streams=[], domain_weights={})
     out = tmp_path / "run"
     ident = {"id": "tiny", "sha256": "0" * 64}
     res = O.train(tiny_target, tok, tmp_path, root, out, cfg, progress=False, target_identity=ident)

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from dataplane.kernels import cu_seqlens_from_lengths, rejection_accept_torch, rejection_accept_triton
 from dataplane.kernels.rejection import sample_inverse_cdf
 from dataplane.verify import process_logits, verify_sampling
-from tests.kernels.helpers import gen, requires_triton, to_device
+from tests.dataplane.kernels.helpers import gen, requires_triton, to_device
 
 NUM_DRAWS = 200_000
 ALPHA = 0.01

@@ -12,7 +12,14 @@ from dataplane.kernels import (
     rejection_accept_triton,
     sample_inverse_cdf,
 )
-from tests.kernels.helpers import gen, random_k_hat, requires_triton, segments, stream_layout, to_device
+from tests.dataplane.kernels.helpers import (
+    gen,
+    random_k_hat,
+    requires_triton,
+    segments,
+    stream_layout,
+    to_device,
+)
 
 
 def inverse_cdf_naive(weights: list[float], u: float) -> int:

@@ -15,7 +15,7 @@ from dataplane.verify import (
     verify_greedy,
     verify_sampling,
 )
-from tests.kernels.helpers import gen
+from tests.dataplane.kernels.helpers import gen
 
 
 def test_process_logits_temperature_one_is_softmax():

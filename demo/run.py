@@ -17,150 +17,27 @@ Candidates awaiting approval are approved through the admin API unless
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from adaflash.controlplane_client import ControlPlaneClient, ControlPlaneError
 from adaflash.credentials import read_file
-from adaflash.stack import live_status
-
-TENANTS = {"acme": "code", "globex": "math", "initech": "chat"}  # traffic tenant -> its domain
-EVAL_TENANT = "demo-eval"  # measurement traffic: feedback opted out
-FALLBACK_PROMPTS = {
-    "chat": ["Give three tips for a good night's sleep.", "What is the difference between weather and climate?",
-             "Write a short thank-you note to a colleague.", "Explain what a mortgage is in two sentences.",
-             "Suggest a name for a bakery and say why.", "How do I politely decline a meeting?"],
-    "code": ["def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
-             "def fib(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-             "def count_vowels(s: str) -> int:\n    \"\"\"Count the vowels in s.\"\"\"\n",
-             "def flatten(xs: list) -> list:\n    \"\"\"Flatten a nested list.\"\"\"\n"],
-    "math": ["Tom has 12 apples and gives 5 to Ann. How many apples does Tom have left?",
-             "A train travels 60 km per hour for 3 hours. How far does it go?",
-             "Sara buys 4 pens at 3 dollars each. How much does she pay?",
-             "There are 30 students and 6 groups. How many students are in each group?"],
-}
-STATE_ORDER = ("registered", "evaluating", "gate_failed", "awaiting_approval", "approved", "canary", "champion",
-               "retired", "rejected", "expired", "rolled_back")
-
-
-def prompts_by_domain(n_eval: int, n_traffic: int) -> tuple[dict[str, list[str]], dict[str, list[str]], str]:
-    """(measurement prompts, traffic prompts, source) per domain, disjoint."""
-    try:
-        from adaflash.datasets import DOMAINS, heldout_prompts
-
-        ev, tr = {}, {}
-        for d in DOMAINS:
-            rows = [r["prompt"] for r in heldout_prompts(d, n_eval + n_traffic)]
-            if len(rows) < n_eval + 1:
-                raise ValueError(f"too few held-out prompts for {d}")
-            ev[d], tr[d] = rows[:n_eval], rows[n_eval:]
-        return ev, tr, "held-out split of adaflash.datasets"
-    except Exception as e:  # noqa: BLE001 - datasets not installed: the built-in list
-        ev = {d: p[: max(1, len(p) // 2)] for d, p in FALLBACK_PROMPTS.items()}
-        tr = {d: p[max(1, len(p) // 2):] for d, p in FALLBACK_PROMPTS.items()}
-        return ev, tr, f"built-in prompts ({type(e).__name__})"
-
-
-@dataclass
-class Result:
-    domain: str
-    tenant: str
-    ok: bool
-    tokens: int = 0
-    rounds: int = 0
-    accepted: int = 0
-    seconds: float = 0.0
-    version: str | None = None
-    error: str = ""
-    at: float = field(default_factory=time.time)
-
-
-def tau_of(results: list[Result]) -> float:
-    rounds = sum(r.rounds for r in results)
-    return (sum(r.accepted for r in results) + rounds) / rounds if rounds else 0.0
-
-
-def tps_of(results: list[Result]) -> float:
-    """Mean tokens/s a client saw per request."""
-    rs = [r.tokens / r.seconds for r in results if r.ok and r.seconds > 0]
-    return sum(rs) / len(rs) if rs else 0.0
-
-
-class Client:
-    def __init__(self, node_url: str, max_tokens: int):
-        self.node_url = node_url
-        self.max_tokens = max_tokens
-        self.http = httpx.Client(timeout=600)
-
-    def complete(self, prompt: str, domain: str, tenant: str) -> Result:
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": self.max_tokens,
-                "temperature": 0.0, "domain": domain}
-        t0 = time.monotonic()
-        try:
-            r = self.http.post(f"{self.node_url}/v1/chat/completions", json=body, headers={"X-Tenant-ID": tenant})
-        except httpx.HTTPError as e:
-            return Result(domain, tenant, False, error=type(e).__name__)
-        dt = time.monotonic() - t0
-        if r.status_code != 200:
-            return Result(domain, tenant, False, seconds=dt, error=f"HTTP {r.status_code}")
-        u = r.json()["usage"]
-        spec = u.get("speculative") or {}
-        return Result(domain, tenant, True, tokens=u["completion_tokens"], rounds=spec.get("rounds", 0),
-                      accepted=spec.get("accepted_tokens", 0), seconds=dt, version=spec.get("drafter_version"))
-
-
-def run_batch(client: Client, jobs: list[tuple[str, str, str]], concurrency: int,
-              sink: list[Result], stop: threading.Event | None = None) -> list[Result]:
-    """Serve (prompt, domain, tenant) jobs with ``concurrency`` threads; results also go to ``sink``."""
-    q: queue.Queue = queue.Queue()
-    for j in jobs:
-        q.put(j)
-    out: list[Result] = []
-    lock = threading.Lock()
-
-    def worker():
-        while not (stop and stop.is_set()):
-            try:
-                prompt, domain, tenant = q.get_nowait()
-            except queue.Empty:
-                return
-            res = client.complete(prompt, domain, tenant)
-            with lock:
-                out.append(res)
-                sink.append(res)
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-class ControlPlane:
-    def __init__(self, api: str, token: str):
-        self.api = api
-        self.http = httpx.Client(timeout=15, headers={"Authorization": f"Bearer {token}"})
-
-    def get(self, path: str):
-        r = self.http.get(f"{self.api}{path}")
-        r.raise_for_status()
-        return r.json()
-
-    def put(self, path: str, body: dict):
-        r = self.http.put(f"{self.api}{path}", json=body)
-        r.raise_for_status()
-        return r.json()
-
-    def post(self, path: str, body: dict):
-        r = self.http.post(f"{self.api}{path}", json=body)
-        r.raise_for_status()
-        return r.json()
+from adaflash.stack_state import live_status
+from demo.traffic import (
+    EVAL_TENANT,
+    TENANTS,
+    Client,
+    Result,
+    prompts_by_domain,
+    run_batch,
+    tau_of,
+    tps_of,
+)
+from stack.services import StackError
 
 
 class Demo:
@@ -169,17 +46,14 @@ class Demo:
         self.settings = settings
         st = live_status(settings)
         if not st.get("running"):
-            from adaflash.stack import StackError
-
             raise StackError(f"no running stack under {settings.home}: start one with `adaflash up --detach`")
         ep = st["endpoints"]
         if not ep.get("dataplane_url") or not ep.get("controlplane_api"):
-            from adaflash.stack import StackError
-
             raise StackError("the demo needs a dataplane node and the control plane in the stack")
         self.ep = ep
         token = read_file(ep["admin_token_file"]) or ""
-        self.cp = ControlPlane(ep["controlplane_api"], token)
+        self.admin_token = token
+        self.cp = ControlPlaneClient(ep["controlplane_url"], token, timeout_s=15)
         self.client = Client(ep["dataplane_url"], args.max_tokens)
         self.out = Path(args.out) if args.out else Path(settings.home) / "demo"
         self.missing = {k: v for k, v in (st.get("missing") or {}).items()}
@@ -229,9 +103,9 @@ class Demo:
     # -- control plane polling
     def poll(self) -> None:
         try:
-            versions = self.cp.get("/versions?limit=50")
-            nodes = self.cp.get("/nodes")
-        except httpx.HTTPError as e:
+            versions = [v.model_dump(mode="json") for v in self.cp.list_versions(limit=50)]
+            nodes = [n.model_dump(mode="json") for n in self.cp.list_nodes()]
+        except ControlPlaneError as e:
             self.event(f"control plane unreachable: {type(e).__name__}")
             return
         for row in versions:
@@ -255,15 +129,15 @@ class Demo:
             if row["state"] == "awaiting_approval" and not self.args.no_auto_approve and not row.get("_asked"):
                 row["_asked"] = True
                 try:
-                    self.cp.post(f"/versions/{ver}/approve", {"reason": "adaflash demo: automatic approval"})
+                    self.cp.approve(ver, "adaflash demo: automatic approval")
                     self.event(f"version {ver} approved by the demo")
-                except httpx.HTTPError as e:
+                except ControlPlaneError as e:
                     self.event(f"approving {ver} failed: {e}")
 
     def _gates(self, ver: str) -> None:
         try:
-            detail = self.cp.get(f"/versions/{ver}")
-        except httpx.HTTPError:
+            detail = self.cp.get_version(ver).model_dump(mode="json")
+        except ControlPlaneError:
             return
         gates = detail.get("gate_results") or []
         if gates:
@@ -343,16 +217,15 @@ class Demo:
         changed = False
         for tenant, want in [(EVAL_TENANT, {"opt_out": True})] + [(t, {"sampling_rate": 1.0}) for t in TENANTS]:
             try:
-                have = self.cp.get(f"/tenants/{tenant}/policy")
-            except httpx.HTTPError:
+                have = self.cp.get_tenant_policy(tenant).model_dump(mode="json")
+            except ControlPlaneError:
                 have = {}
             if tenant != EVAL_TENANT and have.get("opt_out"):
                 console.print(f"[yellow]tenant {tenant} is opted out: its traffic gives no feedback (left as is)"
                               "[/yellow]")
                 continue
             if any(have.get(k) != v for k, v in want.items()):
-                body = {k: v for k, v in have.items() if k != "tenant_id"} | want  # PUT stores the whole policy
-                self.cp.put(f"/tenants/{tenant}/policy", body)
+                self.cp.set_tenant_policy(tenant, **want)
                 changed = True
         if changed and self.settings.governance.feedback_enabled:
             wait = self.settings.governance.policy_ttl_s + 2.0
@@ -363,7 +236,8 @@ class Demo:
     def node_admin_drafter(self) -> dict:
         """The node's own view of what it serves (GET /admin/drafter, admin key)."""
         try:
-            r = self.cp.http.get(f"{self.ep['dataplane_url']}/admin/drafter")
+            r = httpx.get(f"{self.ep['dataplane_url']}/admin/drafter", timeout=15,
+                          headers={"Authorization": f"Bearer {self.admin_token}"})
             r.raise_for_status()
             return r.json()
         except httpx.HTTPError as e:
@@ -511,9 +385,8 @@ def _num(v: str):
 
 def run_demo(args, settings) -> int:
     from adaflash.cli import CliError
-    from adaflash.stack import StackError
 
     try:
         return Demo(args, settings).run()
-    except (StackError, httpx.HTTPError) as e:
+    except (StackError, ControlPlaneError, httpx.HTTPError) as e:
         raise CliError(str(e)) from e

@@ -1,10 +1,10 @@
-"""The held-out split of shared/DATA.md is enforced by adaflash.datasets."""
+"""The held-out split of shared/DATA.md is enforced by promptsets."""
 
 import json
 
 import pytest
 
-from adaflash import datasets as ds
+import promptsets as ds
 
 
 def test_split_rule():

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from dataplane.kernels import HAS_TRITON
-from tests.kernels.compile_kernels import KERNELS, TOOLCHAIN_MISSING
+from tests.dataplane.kernels.compile_kernels import KERNELS, TOOLCHAIN_MISSING
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -26,7 +26,7 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.compile_kernels"],
+        [sys.executable, "-m", "tests.dataplane.kernels.compile_kernels"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -18,10 +18,11 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from adaflash.config import Settings
-from adaflash.credentials import LEARNER_TOKEN_FILE, NODE_TOKEN_FILE, read_file
+from adaflash.controlplane_client import ControlPlaneClient, ControlPlaneError
+from adaflash.credentials import LEARNER_TOKEN_FILE, NODE_TOKEN_FILE, read_file, write_private
+from stack.services import Service, StackError, cli_argv, http_ok
 
 
 def instance_ids(first: str, n: int) -> list[str]:
@@ -38,13 +39,13 @@ def instance_ids(first: str, n: int) -> list[str]:
 
 
 def node_services(settings: Settings, config: str | None, host: str, first_port: int, cp_url: str,
-                  admin_token: Path, taken: set[int], random_ports: bool) -> list[Any]:
-    from adaflash.stack import Service, _choose_port, _cli, ensure_node_key, http_ok
+                  admin_token: Path, taken: set[int], random_ports: bool) -> list[Service]:
+    from stack.plan import choose_port
 
     sc, home = settings.stack, Path(settings.home).resolve()
     out = []
     for i, node_id in enumerate(instance_ids(sc.node_id, sc.nodes)):
-        port = first_port if i == 0 else _choose_port(first_port + i, random_ports, taken)
+        port = first_port if i == 0 else choose_port(first_port + i, random_ports, taken)
         url = f"http://{host}:{port}"
         token = home / (NODE_TOKEN_FILE if i == 0 else f"{NODE_TOKEN_FILE}-{node_id}")
         env = {"ADAFLASH_DATAPLANE__PORT": str(port), "ADAFLASH_DATAPLANE__NODE_ID": node_id}
@@ -64,14 +65,14 @@ def node_services(settings: Settings, config: str | None, host: str, first_port:
                 # so a stale one inherited from the shell cannot shadow the fresh key
                 svc.env[settings.dataplane.controlplane_token_env] = read_file(token) or ""
         name = "dataplane" if i == 0 else f"dataplane-{i + 1}"
-        out.append(Service(name, _cli(config, "serve", "--host", host, "--port", str(port)), env,
+        out.append(Service(name, cli_argv(config, "serve", "--host", host, "--port", str(port)), env,
                            lambda url=url: http_ok(f"{url}/readyz"), port, url, before_start=before,
                            kind="dataplane"))
     return out
 
 
-def learner_services(settings: Settings, config: str | None, cp_url: str, admin_token: Path) -> list[Any]:
-    from adaflash.stack import Service, _cli, ensure_node_key, learner_override_env
+def learner_services(settings: Settings, config: str | None, cp_url: str, admin_token: Path) -> list[Service]:
+    from stack.plan import learner_override_env
 
     home = Path(settings.home).resolve()
     out = []
@@ -90,9 +91,33 @@ def learner_services(settings: Settings, config: str | None, cp_url: str, admin_
                 ensure_node_key(cp_url, admin_token, token, learner_id, role="learner")
         env.update(learner_override_env(settings))
         name = "learner" if i == 0 else f"learner-{i + 1}"
-        out.append(Service(name, _cli(config, "learner"), env, lambda: (True, "running"), before_start=before,
+        out.append(Service(name, cli_argv(config, "learner"), env, lambda: (True, "running"), before_start=before,
                            kind="learner"))
     return out
+
+
+def ensure_node_key(cp_url: str, admin_token_path: Path, node_token_path: Path, node_id: str,
+                    role: str = "node") -> None:
+    """Make sure ``node_token_path`` holds a valid key of ``role`` (node or learner) bound to
+    ``node_id``, creating one through the control plane's admin API (with the admin key in
+    ``admin_token_path``)."""
+    tok = read_file(node_token_path)
+    if tok:
+        try:
+            with ControlPlaneClient(cp_url, tok, timeout_s=10) as cp:
+                if cp.whoami().node_id == node_id:
+                    return
+        except ControlPlaneError:
+            pass
+    admin = read_file(admin_token_path)
+    if not admin:
+        raise StackError(f"the control plane wrote no admin key at {admin_token_path}")
+    try:
+        with ControlPlaneClient(cp_url, admin, timeout_s=10) as cp:
+            created = cp.create_key(f"stack-{role}-{node_id}", role, node_id=node_id)
+    except ControlPlaneError as e:
+        raise StackError(f"cannot create the {role} key: {e}") from e
+    write_private(node_token_path, created.key + "\n")
 
 
 def learner_ids(settings: Settings) -> list[str]:

@@ -13,7 +13,7 @@ from dataplane.kernels import (
     pack_drafts_torch,
     pack_drafts_triton,
 )
-from tests.kernels.helpers import gen, random_k_hat, requires_triton, to_device
+from tests.dataplane.kernels.helpers import gen, random_k_hat, requires_triton, to_device
 
 
 def pack_naive(last_tokens, drafts, k_hat, seq_lens):

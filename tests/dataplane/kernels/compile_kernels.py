@@ -1,4 +1,4 @@
-"""Compile every verify kernel for sm_90 ahead of time (no GPU needed): ``python -m tests.kernels.compile_kernels``.
+"""Compile every verify kernel for sm_90 ahead of time (no GPU needed): ``python -m tests.dataplane.kernels.compile_kernels``.
 
 Run without TRITON_INTERPRET (the interpreter replaces triton.jit). Prints one line per
 kernel and exits non-zero on the first failure; exits 77 when the compiler toolchain

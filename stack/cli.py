@@ -1,4 +1,4 @@
-"""``adaflash up`` / ``down`` / ``status`` / ``demo``: the embedded stack on one machine."""
+"""``adaflash up`` / ``down`` / ``status``: the embedded stack on one machine."""
 
 from __future__ import annotations
 
@@ -44,21 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true", help="machine-readable: every endpoint and process")
     st.set_defaults(func=cmd_status)
 
-    demo = sub.add_parser("demo", help="drive held-out multi-tenant traffic through a running stack and show "
-                                       "adaptation, gating and promotion live")
-    demo.add_argument("--requests", type=int, default=None, help="requests per phase (default: by domain count)")
-    demo.add_argument("--concurrency", type=int, default=8, help="concurrent requests (default 8)")
-    demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--timeout", type=float, default=1200.0,
-                      help="deadline in seconds for a promotion during tenant traffic (default 1200)")
-    demo.add_argument("--out", default=None, help="directory for the PNG and JSON (default $ADAFLASH_HOME/demo)")
-    demo.add_argument("--no-auto-approve", action="store_true",
-                      help="do not approve candidates that await approval (the demo policy approves)")
-    demo.set_defaults(func=cmd_demo)
-
 
 def _parts(args, settings) -> list[str] | None:
-    from adaflash.stack import ALL_PARTS, StackError
+    from stack.services import ALL_PARTS, StackError
 
     parts = list(settings.stack.parts)
     if args.only:
@@ -75,7 +63,7 @@ def _parts(args, settings) -> list[str] | None:
 def _wrap(fn):
     def run(args, settings):
         from adaflash.cli import CliError
-        from adaflash.stack import StackError
+        from stack.services import StackError
 
         try:
             return fn(args, settings)
@@ -130,7 +118,7 @@ def _dur(s: float) -> str:
 def cmd_up(args, settings) -> int:
     from rich.console import Console
 
-    from adaflash import stack
+    import stack
 
     parts = _parts(args, settings)
     fleet = {k: v for k, v in (("nodes", args.nodes), ("learners", args.learners), ("database", args.database))
@@ -222,7 +210,7 @@ def cmd_up(args, settings) -> int:
 
 @_wrap
 def cmd_down(args, settings) -> int:
-    from adaflash import stack
+    import stack
 
     res = stack.down(settings, args.timeout)
     print(res["message"] + (f" ({', '.join(res['stopped'])})" if res["stopped"] else ""))
@@ -231,7 +219,7 @@ def cmd_down(args, settings) -> int:
 
 @_wrap
 def cmd_status(args, settings) -> int:
-    from adaflash import stack
+    import stack
 
     st = stack.live_status(settings)
     if args.json:
@@ -250,12 +238,6 @@ def cmd_status(args, settings) -> int:
             for k, v in missing.items():
                 print(f"  {k}: {v}")
     return 0 if st.get("running") else 3
-
-
-def cmd_demo(args, settings) -> int:
-    from adaflash.demo import run_demo
-
-    return run_demo(args, settings)
 
 
 if __name__ == "__main__":  # pragma: no cover
