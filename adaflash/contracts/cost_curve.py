@@ -19,7 +19,7 @@ Seconds = Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)]
 
 
 class CostPoint(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # a bool is not a count
 
     batch: int = Field(ge=1, le=100_000)
     tokens: int = Field(ge=1, le=10_000_000)
@@ -28,7 +28,7 @@ class CostPoint(BaseModel):
 
 
 class CostCurve(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # a bool is not a count
 
     base_s: Seconds
     per_request_s: Seconds
