@@ -22,7 +22,8 @@ One step, as the engine runs it:
    step time under the cost curve (``best_length``). A request whose best m does not pay
    for its drafter share backs off (skips drafting for ``backoff`` steps, doubling up to
    ``max_backoff``) and comes back through a probe: a short block of ``probe_length``
-   tokens that resets the back-off when its draft is accepted.
+   tokens that resets the back-off when its draft is accepted. A node whose last pass paid
+   for nobody lets only ``probe_requests`` requests (taking turns) draft in its next pass.
 3. ``observe`` (after verification): the round joins the request's history, calibration
    (realised / predicted accepted drafts) is updated, and the node backs the drafter off
    when a pass paid for no request.
@@ -54,6 +55,7 @@ class PolicyConstants:
     calib_ceiling: float = 4.0
     max_backoff: int = 16  # steps a request (or the node) skips the drafter at most
     probe_length: int = 2  # verify tokens of an exploration probe (one draft)
+    probe_requests: int = 2  # requests that draft in a pass while the node is backed off
     reset_share: float = 0.5  # a round keeping this share of its drafts resets the back-off
     unknown_p: float = 0.5  # budget policy: acceptance assumed for a request with no estimate yet
 
@@ -102,11 +104,12 @@ class NodeState:
     calib: float = 1.0  # EMA of realised / predicted accepted drafts
     calib_rounds: int = 0  # steps that fed it since the drafter was set
     skip: int = 0  # node-wide: steps left without running the drafter
-    backoff: int = 1
+    backoff: int = 1  # above 1: the node's last drafter pass paid for no request
+    probe_turn: int = 0  # which eligible requests a backed-off node's next pass lets draft
 
     def reset(self) -> None:
         """A new drafter (and head): trust its head again and re-learn quickly."""
-        self.calib, self.calib_rounds, self.skip, self.backoff = 1.0, 0, 0, 1
+        self.calib, self.calib_rounds, self.skip, self.backoff, self.probe_turn = 1.0, 0, 0, 1, 0
 
 
 class CostCurve(Protocol):
@@ -256,6 +259,7 @@ def reserve(reqs: Sequence[RequestState], caps: Sequence[int], eligible: Sequenc
     node_ok = node_may_draft(cfg, node)  # a node-wide skip step passes whether or not anyone could draft
     if cfg.mode == "ar" or not any(may) or not node_ok:
         return out
+    _probe_pass(may, cfg, node)
     batch = batch or len(reqs)
     if cfg.policy == "budget" and cfg.mode == "adaptive":
         ps = [(r.p_est if r.p_est is not None else cfg.consts.unknown_p) if m else 0.0 for r, m in zip(reqs, may,
@@ -271,6 +275,24 @@ def reserve(reqs: Sequence[RequestState], caps: Sequence[int], eligible: Sequenc
             cap = max(2, best_length(cost, r.p_est, cap, batch)[0])
         out[i] = cap
     return out
+
+
+def _probe_pass(may: list[bool], cfg: PolicyConfig, node: NodeState) -> None:
+    """While the node is backed off (its last pass paid for nobody), a pass only finds out
+    whether drafting pays again: ``probe_requests`` of the eligible requests draft, taking
+    turns, so the pass and its extra verify tokens cost what a few requests' share costs,
+    not the whole batch's. ``may`` is narrowed in place."""
+    if not cfg.node_backs_off or node.backoff <= 1:
+        return
+    idx = [i for i, m in enumerate(may) if m]
+    n = cfg.consts.probe_requests
+    if len(idx) <= n:
+        return
+    start = node.probe_turn % len(idx)
+    keep = set((idx + idx)[start : start + n])
+    node.probe_turn += n
+    for i in idx:
+        may[i] = i in keep
 
 
 def _probe_cap(r: RequestState, cap: int, cfg: PolicyConfig) -> int:

@@ -101,6 +101,24 @@ def test_failed_probes_double_the_back_off_up_to_its_ceiling():
     assert req.backoff == cfg.consts.max_backoff and req.probe
 
 
+def test_a_backed_off_node_probes_with_a_few_requests_taking_turns():
+    cfg = sp.PolicyConfig(block_size=8)
+    n = cfg.consts.probe_requests
+    reqs = [sp.RequestState() for _ in range(6)]
+    node = sp.NodeState()
+    assert sp.reserve(reqs, [8] * 6, [True] * 6, cfg, node, _linear()).count(1) == 0  # all draft
+    sp.after_pass(cfg, node, paid=False)  # that pass paid for nobody
+    node.skip = 0
+    seen = []
+    for _ in range(3):
+        out = sp.reserve(reqs, [8] * 6, [True] * 6, cfg, node, _linear())
+        seen.append({i for i, k in enumerate(out) if k > 1})
+    assert all(len(s) == n for s in seen)
+    assert set().union(*seen) == set(range(6))  # everyone's turn comes
+    sp.after_pass(cfg, node, paid=True)  # drafting paid again: the whole batch drafts
+    assert 1 not in sp.reserve(reqs, [8] * 6, [True] * 6, cfg, node, _linear())
+
+
 def test_node_backs_off_when_a_pass_pays_for_nobody():
     cfg = sp.PolicyConfig(block_size=8)
     node = sp.NodeState()
