@@ -25,7 +25,7 @@ from dataplane.engine import Engine
 from dataplane.envelope import RequestEnvelope
 from dataplane.feedback import FeedbackBuilder, FinishedRequest, build_record
 from dataplane.model import TargetModel
-from dataplane.runner import ModelRunner, apply_threads
+from dataplane.runner import ModelRunner, apply_cpu_settings
 from dataplane.sequence import Sequence
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Detokenizer, Tokenizer
@@ -41,7 +41,7 @@ class Node:
                  target_dir: Path | None = None):
         self.settings = settings
         cfg = settings.dataplane
-        apply_threads(settings)
+        apply_cpu_settings(settings)
         self.target_dir = target_dir or ensure_target(settings)
         self.identity = target_identity(self.target_dir)
         # Device and precision of target and drafter (a drafter is placed like its target).

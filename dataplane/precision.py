@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dataplane.kernels.cpu_info import cpu_flags, cpu_model
 from dataplane.kernels.cpu_linear import PackedLinear
 
 log = logging.getLogger("adaflash.precision")
@@ -47,30 +48,6 @@ class PrecisionChoice:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-
-def cpu_flags() -> list[str]:
-    """The CPU features that decide precision and kernels, as /proc/cpuinfo names them."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "fma")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return [f for f in wanted if f in have]
-    return []
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _probe_layers(dtype: torch.dtype) -> tuple[list[PackedLinear], dict[int, torch.Tensor]]:

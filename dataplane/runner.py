@@ -26,7 +26,7 @@ import torch
 
 from adaflash.config import Settings
 from dataplane.drafter import Drafter
-from dataplane.kernels import HAS_TRITON
+from dataplane.kernels import HAS_TRITON, cpu_gemv
 from dataplane.model import TargetModel
 from dataplane.precision import DTYPES, PrecisionChoice, choose
 from dataplane.target_cache import ensure_target
@@ -48,7 +48,9 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def apply_threads(settings: Settings) -> None:
+def apply_cpu_settings(settings: Settings) -> None:
+    """Threads from the configuration; compiled CPU kernels kept under the cache directory."""
+    cpu_gemv.use_cache_dir(settings.cache / "kernels")
     if settings.model.torch_threads:
         torch.set_num_threads(settings.model.torch_threads)
 
@@ -62,7 +64,7 @@ class ModelRunner:
     @classmethod
     def serving(cls, settings: Settings) -> ModelRunner:
         """Device and precision nodes serve in on this machine (the CPU choice is cached)."""
-        apply_threads(settings)
+        apply_cpu_settings(settings)
         device = resolve_device(settings.model.device)
         choice = choose(settings.model.dtype, device.type, settings.cache)
         return cls(device, choice.torch_dtype, choice.reason)
@@ -71,7 +73,7 @@ class ModelRunner:
     def training(cls, settings: Settings | None = None) -> ModelRunner:
         """The learner's: float32 on CPU, whatever the nodes serve in."""
         if settings is not None:
-            apply_threads(settings)
+            apply_cpu_settings(settings)
         return cls(torch.device("cpu"), torch.float32, "training")
 
     @classmethod
@@ -113,7 +115,7 @@ class ModelRunner:
 
 def serving_precision(settings: Settings, device: str | None = None) -> PrecisionChoice:
     """The precision nodes on this machine serve in (``device``: default ``model.device``)."""
-    apply_threads(settings)
+    apply_cpu_settings(settings)
     dev = resolve_device(device or settings.model.device)
     return choose(settings.model.dtype, dev.type, settings.cache)
 

@@ -7,7 +7,8 @@ prepacking the weight once (``torch.ops.mkldnn._reorder_linear_weight``) removes
 work from the step. Measured on a 2-core Xeon with AMX-BF16 (all 121 fused matrices of
 one SmolLM2-135M forward, 1/4/16 rows): eager bfloat16 19.3/20.8/21.1 ms, prepacked
 12.4/12.4/13.4 ms. In float32 the packed path is slower than MKL's one-row GEMM, so it is
-used for bfloat16 only.
+used for bfloat16 only. One to four rows go through our own streaming kernel
+(``dataplane.kernels.cpu_gemv``) where it is measured to beat oneDNN here.
 
 ``linear_torch`` is the reference; ``PackedLinear`` must equal it up to the rounding of
 the accumulation order (tested).
@@ -20,10 +21,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from dataplane.kernels import cpu_gemv
+
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: x [M, K] @ weight[N, K]^T + bias [N] -> [M, N]."""
     return F.linear(x, weight, bias)
+
+
+def mkldnn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] laid out once for oneDNN's linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 @functools.cache
@@ -56,17 +64,25 @@ class PackedLinear:
         self.packed = None
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and mkldnn_packing_works(weight.dtype)):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            self.packed = mkldnn_packed(weight)
+        # one to four rows: our streaming kernel where it is measured to pay (cpu_gemv)
+        self.gemv = (pack and bias is None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                     and weight.is_contiguous() and weight.shape[1] % 32 == 0 and cpu_gemv.pays())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        if self.packed is None or x.dtype != self.weight.dtype:
+        if (self.packed is None and not self.gemv) or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.gemv and x.shape[0] <= cpu_gemv.MAX_ROWS:
+            y = cpu_gemv.gemv(x, self.weight)
+        elif self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return y.view(*lead, self.out_features)
 
 

@@ -158,7 +158,7 @@ def test_real_logits_match_transformers_at_each_precision(real_target_dir, real_
     """Truth is transformers in float32. Our float32 forward is within 5e-3 of it (logits of
     magnitude ~20); our bfloat16 forward is no further from it than transformers' own
     bfloat16 forward is (times 1.5), and agrees on the argmax wherever the two best
-    logits are not a bfloat16 near-tie (0.5 apart)."""
+    logits are not a bfloat16 near-tie (0.5 apart); prompt rows and decode steps alike."""
     from transformers import AutoModelForCausalLM
 
     tok = real_tokenizer
@@ -171,6 +171,12 @@ def test_real_logits_match_transformers_at_each_precision(real_target_dir, real_
     for dtype in (torch.float32, torch.bfloat16):
         ours = TargetModel.from_pretrained(real_target_dir, dtype=dtype)
         out = ours.forward_packed(torch.tensor(ids), [0, len(ids)], [ours.new_cache()]).logits.float()
+        # the last tokens again as decode steps of one and of three rows (the few-row kernel's path)
+        kv = ours.new_cache()
+        ours.forward_packed(torch.tensor(ids[:-4]), [0, len(ids) - 4], [kv])
+        one = ours.forward_packed(torch.tensor(ids[-4:-3]), [0, 1], [kv]).logits.float()
+        three = ours.forward_packed(torch.tensor(ids[-3:]), [0, 3], [kv]).logits.float()
+        out = torch.cat([out[:-4], one, three])
         err[dtype] = (out - truth).abs().max().item()
         top2 = truth.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.5
