@@ -43,15 +43,20 @@ class _Rebalance(ConsumerRebalanceListener):
             self.owner.on_revoked(parts)
 
     def on_partitions_assigned(self, assigned):
-        log.info("assigned partitions %s", sorted(tp.partition for tp in assigned if tp.topic == self.owner.topic))
+        parts = {tp.partition for tp in assigned if tp.topic == self.owner.topic}
+        log.info("assigned partitions %s", sorted(parts))
+        if parts and self.owner.on_assigned is not None:
+            self.owner.on_assigned(parts)
 
 
 class FeedbackConsumer:
     def __init__(self, kafka: KafkaConfig, cfg: LearnerConfig, on_revoked: Callable[[set[int]], None],
-                 client_id: str = "adaflash-learner"):
+                 client_id: str = "adaflash-learner", on_assigned: Callable[[set[int]], None] | None = None):
         self.topic = kafka.feedback_topic
         self.dlq_topic = kafka.dlq_topic
         self.on_revoked = on_revoked
+        # called inside poll with the partitions just assigned; it may seek them
+        self.on_assigned = on_assigned
         self.commit_timeout_ms = kafka.request_timeout_ms * 2
         self.consumer = KafkaConsumer(
             bootstrap_servers=kafka.bootstrap, group_id=kafka.consumer_group, client_id=client_id,
@@ -137,10 +142,11 @@ class FeedbackConsumer:
         except KafkaError as e:  # broker away: the next checkpoint commits again
             log.warning("offset commit failed (%s); committed with the next checkpoint", type(e).__name__)
 
-    def seek_to_start(self) -> None:
-        """Read every assigned partition again from offset 0 (a broker that came back empty)."""
+    def seek_to_start(self, partitions: set[int] | None = None) -> None:
+        """Read the assigned ``partitions`` (default: every one) again from offset 0 (a broker
+        that came back empty)."""
         for tp in self.consumer.assignment():
-            if tp.topic == self.topic:
+            if tp.topic == self.topic and (partitions is None or tp.partition in partitions):
                 self.consumer.seek(tp, 0)
 
     def close(self) -> None:

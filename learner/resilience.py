@@ -13,7 +13,10 @@ partition again from offset 0, records still held from the old epoch are trained
 can read them again) but no longer hold back offset commits, and records revoked from it
 in the rebalance the restart caused come back into its buffer. Records already trained
 are recognised by their record_id in the checkpoint; records re-sent by producers after the
-restart likewise.
+restart likewise. The group's rejoin after the restart can complete after that seek and would
+resume from offsets committed to the new broker before the reset was noticed (positions in
+the old log); so in a new epoch a partition the learner has not read from yet is sought to
+offset 0 when it is assigned (``Learner._assigned``).
 """
 
 from __future__ import annotations

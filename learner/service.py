@@ -141,6 +141,7 @@ class Learner:
         from learner.resilience import BrokerWatch
 
         self.epoch = 0  # bumped when the broker comes back empty (learner/resilience.py)
+        self.epoch_read: set[int] = set()  # partitions read from in this epoch
         self.watch = BrokerWatch(self)
         # The consumer's rebalance callbacks run on the client's I/O thread; they take this
         # lock to touch the buffer.
@@ -156,7 +157,8 @@ class Learner:
         while True:
             try:
                 self.ensure_topics()
-                self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked)
+                self.consumer = FeedbackConsumer(self.settings.kafka, self.cfg, self._revoked,
+                                                 on_assigned=self._assigned)
                 return
             except KafkaError as e:
                 if self.stop_event.wait(2.0):
@@ -169,6 +171,17 @@ class Learner:
 
         kc = self.settings.kafka
         ensure_topics(kc.bootstrap, kc, default_retention_ms(self.settings.governance), update_existing=False)
+
+    def _assigned(self, partitions: set[int]) -> None:
+        """After the broker came back empty, a partition not yet read in this epoch starts at
+        offset 0, whatever the group says: offsets committed to the new broker before the
+        reset was noticed came from positions in the old log, and a rejoin that completes
+        after the reset's seek would resume from them and skip the new records."""
+        with self._lock:
+            fresh = partitions - self.epoch_read
+            if self.epoch > 0 and fresh:
+                self.consumer.seek_to_start(fresh)
+                log.info("epoch %d: partitions %s read from offset 0", self.epoch, sorted(fresh))
 
     def _revoked(self, partitions: set[int]) -> None:
         """Records of partitions we no longer own are forgotten: the next owner re-reads them
@@ -183,6 +196,7 @@ class Learner:
         with self._lock:
             self.epoch += 1
             self.consumed_next = {}
+            self.epoch_read = set()
             back = [self._count(self.buffer.offer(it)) for it in self.watch.take_limbo()]
             self.counters["broker_resets"] += 1
             self.consumer.seek_to_start()
@@ -196,6 +210,7 @@ class Learner:
 
     def _handle(self, msg) -> str:
         self.consumed_next[msg.partition] = msg.offset + 1
+        self.epoch_read.add(msg.partition)
         try:
             record = FeedbackRecord.from_bytes(msg.value)
         except InvalidRecord as e:

@@ -122,3 +122,50 @@ def test_learner_survives_broker_kill_and_empty_restart(tmp_path, target_dir, dr
     ledger = _ledger(state)
     assert len(ledger) == len(set(ledger)), "a record was trained twice"
     assert set(ledger) == {r.record_id for r in first + second + held + last}, "a record was lost"
+
+
+def test_after_a_reset_a_rejoin_reads_from_the_start_not_from_stale_commits(tmp_path, target_dir, drafter_dir):
+    """Offsets committed to the new broker before the reset was noticed come from positions in
+    the old log. When the group's assignment arrives after the reset (the rejoin that follows
+    a broker restart), a partition not yet read in the new epoch starts at offset 0."""
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    from learner.service import Learner
+
+    tag = uuid.uuid4().hex[:8]
+    broker = TansuBroker(log_path=tmp_path / "tansu.log").start()
+    learner = None
+    try:
+        kafka = KafkaConfig(bootstrap=broker.bootstrap, feedback_topic=f"fb-{tag}", dlq_topic=f"dlq-{tag}",
+                            partitions=1, consumer_group=f"learner-{tag}")
+        settings = load_config(home=tmp_path / "home", model={"path": str(target_dir), "target_id": TARGET_ID},
+                               kafka=kafka.model_dump(),
+                               learner={"buffer_size": 8, "max_wait_s": 600.0, "init_drafter": str(drafter_dir),
+                                        "state_dir": str(tmp_path / "state"), "publish_every": 0,
+                                        "poll_timeout_ms": 200, "max_record_tokens": 160})
+        ensure_topics(kafka.bootstrap, kafka, 3_600_000)
+        records = [make_record(response=f"answer {i}.") for i in range(5)]
+        produce(broker.bootstrap, kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in records])
+        stale = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id=kafka.consumer_group,
+                              enable_auto_commit=False)
+        tp = TopicPartition(kafka.feedback_topic, 0)
+        stale.assign([tp])
+        stale.commit({tp: OffsetAndMetadata(3, "", -1)})  # a position from the old log
+        stale.close()
+
+        learner = Learner(settings)
+        learner.connect()
+        learner.epoch = 1  # the reset was noticed before the group assigned the partition
+        got = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(got) < 5:
+            for m in learner.consumer.poll(200):
+                got.append(m.offset)
+                learner.handle(m)
+        assert got[:1] == [0] and sorted(set(got)) == [0, 1, 2, 3, 4], got
+        assert learner.epoch_read == {0}
+    finally:
+        if learner is not None:
+            learner.close()
+        broker.stop()
