@@ -99,11 +99,17 @@ def _lib():
     return fn
 
 
+def takes_weight(weight: torch.Tensor) -> bool:
+    """Weights the kernel takes: [N, K] contiguous bf16 on CPU with K % 32 == 0."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.shape[1] % 32 == 0)
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Shapes and layouts the kernel takes: x [M <= 4, K] and weight [N, K] bf16 on CPU, K % 32 == 0."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[1] % 32 == 0
-            and x.stride(1) == 1 and weight.is_contiguous())
+    """Shapes and layouts the kernel takes: x [M <= 4, K] bf16 with unit column stride, and
+    a weight it takes (``takes_weight``) of the same K."""
+    return (takes_weight(weight) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
+            and x.device.type == "cpu" and x.shape[1] == weight.shape[1] and x.stride(1) == 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -5,26 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+WANTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "fma")
+
+
+def _field(name: str) -> str | None:
+    """The value of the first /proc/cpuinfo line named ``name``; None where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name) and ":" in ln), None)
+
 
 def cpu_flags() -> list[str]:
     """The CPU features that decide precision and kernels, as /proc/cpuinfo names them."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "fma")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return [f for f in wanted if f in have]
-    return []
+    have = set((_field("flags") or "").split())
+    return [f for f in WANTED_FLAGS if f in have]
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    return _field("model name") or "unknown"

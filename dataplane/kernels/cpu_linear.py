@@ -66,8 +66,7 @@ class PackedLinear:
                 and mkldnn_packing_works(weight.dtype)):
             self.packed = mkldnn_packed(weight)
         # one to four rows: our streaming kernel where it is measured to pay (cpu_gemv)
-        self.gemv = (pack and bias is None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                     and weight.is_contiguous() and weight.shape[1] % 32 == 0 and cpu_gemv.pays())
+        self.gemv = pack and bias is None and cpu_gemv.takes_weight(weight) and cpu_gemv.pays()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
