@@ -60,21 +60,21 @@ def _cache_dir() -> Path:
     return _CACHE["dir"]
 
 
-def _build() -> Path:
-    """The compiled kernel, built once per source and compiler into the cache directory."""
+def build_kernel(source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
+    """The compiled ``source``, built once per source, flags and compiler into the cache directory."""
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if cc is None:
         raise RuntimeError("no C compiler")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     torch_lib = Path(torch.__file__).parent / "lib"  # link the OpenMP runtime PyTorch loaded
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, str(torch_lib)]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"gemv_bf16-{key}.so"
+    key = hashlib.sha256(src + " ".join([cc, *cflags, str(torch_lib)]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        subprocess.run([cc, *CFLAGS, "-o", str(so), str(SOURCE), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"],
+        subprocess.run([cc, *cflags, "-o", str(so), str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"],
                        check=True, capture_output=True, timeout=120)
         os.replace(so, out)  # atomic: nodes starting together never load a half-written file
     return out
@@ -88,7 +88,7 @@ def _lib():
     if "avx512_bf16" not in cpu_flags():
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build_kernel()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.info("bfloat16 GEMV kernel not available (%s); oneDNN serves every product", e)
         return None

@@ -8,7 +8,9 @@ work from the step. Measured on a 2-core Xeon with AMX-BF16 (all 121 fused matri
 one SmolLM2-135M forward, 1/4/16 rows): eager bfloat16 19.3/20.8/21.1 ms, prepacked
 12.4/12.4/13.4 ms. In float32 the packed path is slower than MKL's one-row GEMM, so it is
 used for bfloat16 only. One to four rows go through our own streaming kernel
-(``dataplane.kernels.cpu_gemv``) where it is measured to beat oneDNN here.
+(``dataplane.kernels.cpu_gemv``) and, on CPUs with AMX-BF16, the rows of verify and
+decode steps up to ``cpu_amx.MAX_ROWS`` through our AMX kernel (``dataplane.kernels.cpu_amx``),
+each where it is measured to beat oneDNN here.
 
 ``linear_torch`` is the reference; ``PackedLinear`` must equal it up to the rounding of
 the accumulation order (tested).
@@ -21,7 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dataplane.kernels import cpu_gemv
+from dataplane.kernels import cpu_amx, cpu_gemv
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,17 +69,23 @@ class PackedLinear:
             self.packed = mkldnn_packed(weight)
         # one to four rows: our streaming kernel where it is measured to pay (cpu_gemv)
         self.gemv = pack and bias is None and cpu_gemv.takes_weight(weight) and cpu_gemv.pays()
+        # up to cpu_amx.MAX_ROWS rows: the AMX kernel where the CPU has it and it pays (cpu_amx)
+        self.amx = (cpu_amx.pack(weight) if pack and bias is None and cpu_amx.takes_weight(weight)
+                    and cpu_amx.pays() else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        if (self.packed is None and not self.gemv) or x.dtype != self.weight.dtype:
+        if (self.packed is None and not self.gemv and self.amx is None) or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
-        if self.gemv and x.shape[0] <= cpu_gemv.MAX_ROWS:
+        rows = x.shape[0]
+        if self.gemv and rows <= cpu_gemv.MAX_ROWS:
             y = cpu_gemv.gemv(x, self.weight)
+        elif self.amx is not None and rows <= cpu_amx.MAX_ROWS:
+            y = cpu_amx.gemm(x, self.amx)
         elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
