@@ -54,7 +54,15 @@ def describe(precision_choice) -> dict:
         "served_precision": precision_choice.dtype,
         "precision_reason": precision_choice.reason,
         "precision_probe_ms": precision_choice.probe_ms,
+        "cpu_kernels": cpu_kernels(),
     }
+
+
+def cpu_kernels() -> dict:
+    """Which of our CPU kernels serve bfloat16 products here (each only where it measured faster)."""
+    from dataplane.kernels import cpu_amx, cpu_gemv
+
+    return {"gemv_bf16_1_to_4_rows": cpu_gemv.pays(), "amx_bf16_5_to_256_rows": cpu_amx.pays()}
 
 
 def bound_ms(nbytes: int, bandwidth_gbs: float) -> float:
