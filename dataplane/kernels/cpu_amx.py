@@ -18,17 +18,14 @@ of 16 rows beats oneDNN here (``pays``). ``ADAFLASH_CPU_AMX=0`` turns it off.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
-import subprocess
-import time
 from pathlib import Path
 
 import torch
 
-from dataplane.kernels.cpu_gemv import build_kernel, gemv_torch
+from dataplane.kernels.cpu_gemv import beats_onednn, bind_product, gemv_torch, load_kernel
 from dataplane.kernels.cpu_info import cpu_flags
 
 log = logging.getLogger("adaflash.kernels")
@@ -56,26 +53,20 @@ def _lib():
     """The loaded kernel with the tile state granted, or None where it cannot run here."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or not {"amx_bf16", "amx_tile"} <= set(cpu_flags()):
         return None
-    try:
-        lib = ctypes.CDLL(str(build_kernel(SOURCE, CFLAGS)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.info("AMX kernel not available (%s); oneDNN serves every product", e)
+    lib = load_kernel(SOURCE, CFLAGS, "AMX kernel")
+    if lib is None:
         return None
     if lib.adaflash_amx_init() != 0:
         log.info("the OS refused the AMX tile state; oneDNN serves every product")
         return None
-    fn = lib.adaflash_amx_gemm_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return bind_product(lib.adaflash_amx_gemm_bf16)
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 (unit column stride) @ W^T with W packed by ``pack`` -> [M, N] bf16."""
     m, k = x.shape
     n = packed.shape[0] * 16
-    if packed.shape[1] * 32 != k or x.dtype != torch.bfloat16 or x.stride(1) != 1 or not 1 <= m:
+    if packed.shape[1] * 32 != k or x.dtype != torch.bfloat16 or x.stride(1) != 1 or m < 1:
         raise ValueError(f"gemm_amx refused x {tuple(x.shape)} packed {tuple(packed.shape)}")
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if _lib()(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, y.data_ptr(), n, torch.get_num_threads()):
@@ -101,24 +92,5 @@ def available() -> bool:
 
 @functools.cache
 def pays() -> bool:
-    """Measured here: 16 rows through the kernel beat oneDNN's prepacked product on matrices
-    of the model's shape (several, so none stays in L2; fastest of turns)."""
-    if not available():
-        return False
-    from dataplane.kernels.cpu_linear import mkldnn_packed, mkldnn_packing_works
-
-    if not mkldnn_packing_works(torch.bfloat16):
-        return True
-    g = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16) for _ in range(8)]
-    ours, onednn = [pack(w) for w in ws], [mkldnn_packed(w) for w in ws]
-    x = torch.randn(16, 576, generator=g).to(torch.bfloat16)
-    best = {"kernel": float("inf"), "onednn": float("inf")}
-    for _ in range(5):
-        for name in best:
-            t0 = time.perf_counter()
-            for p, q in zip(ours, onednn, strict=True):
-                gemm(x, p) if name == "kernel" else torch.ops.mkldnn._linear_pointwise(x, q, None, "none", [], "")
-            best[name] = min(best[name], time.perf_counter() - t0)
-    log.info("AMX kernel %.3f ms, oneDNN %.3f ms (8 products of 16 rows)", 1e3 * best["kernel"], 1e3 * best["onednn"])
-    return best["kernel"] < 0.95 * best["onednn"]
+    """Measured here: 16 rows through the kernel beat oneDNN's prepacked product (``cpu_gemv.beats_onednn``)."""
+    return available() and beats_onednn(gemm, pack, 16, 0.95, "AMX kernel")

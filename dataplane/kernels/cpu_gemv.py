@@ -80,6 +80,23 @@ def build_kernel(source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
     return out
 
 
+def load_kernel(source: Path, cflags: list[str], label: str):
+    """``source`` built and loaded (``ctypes.CDLL``), or None where that fails here (logged)."""
+    try:
+        return ctypes.CDLL(str(build_kernel(source, cflags)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.info("%s not available (%s); oneDNN serves every product", label, e)
+        return None
+
+
+def bind_product(fn):
+    """Typed ``fn(x, ldx, M, w, N, K, y, ldy, threads) -> int``, the signature of both kernels."""
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 @functools.cache
 def _lib():
     """The loaded kernel, or None where it cannot be used here (reason logged once)."""
@@ -87,16 +104,8 @@ def _lib():
         return None
     if "avx512_bf16" not in cpu_flags():
         return None
-    try:
-        lib = ctypes.CDLL(str(build_kernel()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.info("bfloat16 GEMV kernel not available (%s); oneDNN serves every product", e)
-        return None
-    fn = lib.adaflash_gemv_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    lib = load_kernel(SOURCE, CFLAGS, "bfloat16 GEMV kernel")
+    return None if lib is None else bind_product(lib.adaflash_gemv_bf16)
 
 
 def takes_weight(weight: torch.Tensor) -> bool:
@@ -140,27 +149,30 @@ def available() -> bool:
     return True
 
 
-@functools.cache
-def pays() -> bool:
-    """Measured here: one row through the kernel beats oneDNN's prepacked product on a
-    matrix of the model's shape (several matrices, so none stays in L2; fastest of turns)."""
-    if not available():
-        return False
+def beats_onednn(kernel, layout, rows: int, margin: float, label: str) -> bool:
+    """True if ``kernel(x, layout(w))`` of ``rows`` rows takes under ``margin`` times oneDNN's
+    prepacked product, over 8 matrices of the model's shape (so none stays in L2), fastest of turns."""
     from dataplane.kernels.cpu_linear import mkldnn_packed, mkldnn_packing_works
 
     if not mkldnn_packing_works(torch.bfloat16):
         return True
     g = torch.Generator().manual_seed(0)
     ws = [(torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16) for _ in range(8)]
-    packed = [mkldnn_packed(w) for w in ws]
-    x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
+    ours, onednn = [layout(w) for w in ws], [mkldnn_packed(w) for w in ws]
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     best = {"kernel": float("inf"), "onednn": float("inf")}
     for _ in range(5):
         for name in best:
             t0 = time.perf_counter()
-            for w, p in zip(ws, packed, strict=True):
-                gemv(x, w) if name == "kernel" else torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            for p, q in zip(ours, onednn, strict=True):
+                kernel(x, p) if name == "kernel" else torch.ops.mkldnn._linear_pointwise(x, q, None, "none", [], "")
             best[name] = min(best[name], time.perf_counter() - t0)
-    log.info("bfloat16 GEMV kernel %.3f ms, oneDNN %.3f ms (8 products of one row)",
-             1e3 * best["kernel"], 1e3 * best["onednn"])
-    return best["kernel"] < 0.9 * best["onednn"]
+    log.info("%s %.3f ms, oneDNN %.3f ms (8 products of %d rows)", label, 1e3 * best["kernel"],
+             1e3 * best["onednn"], rows)
+    return best["kernel"] < margin * best["onednn"]
+
+
+@functools.cache
+def pays() -> bool:
+    """Measured here: one row through the kernel beats oneDNN's prepacked product (``beats_onednn``)."""
+    return available() and beats_onednn(gemv, lambda w: w, 1, 0.9, "bfloat16 GEMV kernel")
