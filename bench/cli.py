@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--llama-gguf", default=None,
                    help="GGUF of the target at the served precision: compare ar with llama.cpp (llama-cpp-python)")
     t.add_argument("--no-transformers", action="store_true", help="skip the transformers generate baseline")
+    t.add_argument("--repeats", type=int, default=1,
+                   help="runs of every mode and concurrency, taking turns; reports each speedup's spread")
     t.add_argument("--out", default="out/bench-throughput")
     t.set_defaults(func=throughput)
     try:  # benches owned by other parts register themselves when present
@@ -79,6 +81,8 @@ def throughput(args, settings) -> int:
         raise CliError("--concurrency needs positive integers")
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be positive")
+    if args.repeats < 1:
+        raise CliError("--repeats must be positive")
     if args.llama_gguf and not Path(args.llama_gguf).is_file():
         raise CliError(f"GGUF file not found: {args.llama_gguf}")
     if args.prompts and not Path(args.prompts).is_file():
@@ -86,7 +90,8 @@ def throughput(args, settings) -> int:
     try:
         result = run(settings, args.prompts, args.modes, args.concurrency, args.max_tokens, args.drafter,
                      Path(args.out), per_domain=args.per_domain, min_requests=args.min_requests,
-                     compare_transformers=not args.no_transformers, llama_gguf=args.llama_gguf)
+                     compare_transformers=not args.no_transformers, llama_gguf=args.llama_gguf,
+                     repeats=args.repeats)
     except ValueError as e:
         raise CliError(str(e)) from e
     print(json.dumps(result, indent=2))

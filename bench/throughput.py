@@ -123,7 +123,9 @@ def _drafter(node, drafter_dir: str | None):
 
 
 def _aggregate(rows: list[dict], concurrency: list[int], modes: list[str]) -> None:
-    for c in concurrency:  # over domains
+    """Rows of domain "all" per (mode, concurrency): every domain and repeat pooled; each row's
+    ``speedup_vs_ar`` against ar of the same concurrency, domain and repeat (pooled rows: pooled ar)."""
+    for c in concurrency:  # over domains and repeats
         for mode in modes:
             sub = [r for r in rows if r["mode"] == mode and r["concurrency"] == c and r["domain"] != "all"]
             tokens, wall = sum(r["tokens"] for r in sub), sum(r["wall_s"] for r in sub)
@@ -138,8 +140,29 @@ def _aggregate(rows: list[dict], concurrency: list[int], modes: list[str]) -> No
                          "requests": sum(r["requests"] for r in sub)})
     for r in rows:
         ar = next((x for x in rows if x["mode"] == "ar" and x["concurrency"] == r["concurrency"]
-                   and x["domain"] == r["domain"]), None)
+                   and x["domain"] == r["domain"] and x.get("repeat") == r.get("repeat")), None)
         r["speedup_vs_ar"] = r["tps"] / ar["tps"] if ar and ar["tps"] else None
+    for r in rows:
+        if r["domain"] == "all":
+            r["speedup_spread"] = _spread(rows, r["mode"], r["concurrency"])
+
+
+def _spread(rows: list[dict], mode: str, c: int) -> dict | None:
+    """The speedup over ar of each repeat (all domains of that repeat pooled, against ar of the
+    same repeat, which ran beside it): median, min, max. None with a single repeat."""
+    reps = sorted({r["repeat"] for r in rows if r.get("repeat") is not None})
+    if len(reps) < 2:
+        return None
+    per = []
+    for k in reps:
+        def tps(m, k=k):
+            sub = [r for r in rows if r["mode"] == m and r["concurrency"] == c and r.get("repeat") == k]
+            wall = sum(r["wall_s"] for r in sub)
+            return sum(r["tokens"] for r in sub) / wall if wall else 0.0
+        base = tps("ar")
+        per.append(tps(mode) / base if base else 0.0)
+    return {"repeats": len(per), "median": round(statistics.median(per), 4), "min": round(min(per), 4),
+            "max": round(max(per), 4), "per_repeat": [round(x, 4) for x in per]}
 
 
 def _baselines(node, dp, settings, tok, by_domain, max_tokens: int, llama_gguf: str | None) -> dict:
@@ -164,7 +187,7 @@ def _baselines(node, dp, settings, tok, by_domain, max_tokens: int, llama_gguf: 
 
 def run(settings: Settings, prompts_path: str | None, modes: list[str], concurrency: list[int], max_tokens: int,
         drafter_dir: str | None, out: Path, per_domain: int = 10, min_requests: int = 4,
-        compare_transformers: bool = True, llama_gguf: str | None = None) -> dict:
+        compare_transformers: bool = True, llama_gguf: str | None = None, repeats: int = 1) -> dict:
     from bench.machine import bound_ms, describe, weight_bytes
     from bench.step_cost import forward_paths, packed_verify_cost, verify_cost_curve
     from dataplane.node import Node
@@ -190,13 +213,17 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
     warm = _engine(node, dp, "adaptive" if drafter else "ar", drafter, version, settings, tok)
     run_closed_loop(warm, [ids[0] for ids in by_domain.values()], 2, 8)  # first calls allocate and lay out
     rows, outputs = [], {}
-    jobs = [(m, c, d) for c in concurrency for m in modes for d in by_domain]
-    for mode, c, domain in tqdm(jobs, desc="throughput", unit="run"):
+    # repeats go round every mode in turn, so a slow spell of a shared machine hits each mode alike
+    jobs = [(m, c, d, k) for c in concurrency for k in range(repeats) for m in modes for d in by_domain]
+    for mode, c, domain, k in tqdm(jobs, desc="throughput", unit="run"):
         ids = by_domain[domain]
         batch = [ids[i % len(ids)] for i in range(max(min_requests, c))]
         r = run_closed_loop(_engine(node, dp, mode, drafter, version, settings, tok), batch, c, max_tokens)
-        outputs[(mode, c, domain)] = r.pop("outputs")
-        rows.append({"mode": mode, "concurrency": c, "domain": domain, **r})
+        got = r.pop("outputs")
+        if (mode, c, domain) in outputs and outputs[(mode, c, domain)] != got:
+            raise RuntimeError(f"{mode} at C={c} ({domain}) answered differently in repeat {k}")
+        outputs[(mode, c, domain)] = got
+        rows.append({"mode": mode, "concurrency": c, "domain": domain, "repeat": k, **r})
     _aggregate(rows, concurrency, modes)
     target_b = weight_bytes(node.target)
     draft_b = weight_bytes(drafter) if drafter is not None else 0  # its own; embed/lm_head are the target's
@@ -207,6 +234,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
         r["step_over_bound"] = round(r["step_ms_p50"] / b, 3) if b else None
     lossless = all(outputs[(m, c, d)] == outputs[("ar", c, d)] for (m, c, d) in outputs if "ar" in modes)
     result = {"machine": machine, "target": node.identity, "drafter_version": version, "max_tokens": max_tokens,
+              "repeats": repeats,
               "weights_mb": {"target": round(target_b / 1e6, 1), "drafter_own": round(max(draft_b, 0) / 1e6, 1)},
               "rows": rows, "greedy_outputs_identical_to_ar": lossless,
               "verify_cost": verify_cost_curve(node.target), "packed_verify": packed_verify_cost(node.target),
@@ -235,7 +263,10 @@ def plot(result: dict, path: Path) -> None:
         sp = [next(r["speedup_vs_ar"] or 0 for r in rows if r["mode"] == m and r["concurrency"] == c) for c in cs]
         xs = [j + i * width for j in range(len(cs))]
         axes[0].bar(xs, tps, width, label=m)
-        axes[1].bar(xs, sp, width, label=m)
+        spread = [next(r.get("speedup_spread") for r in rows if r["mode"] == m and r["concurrency"] == c) for c in cs]
+        err = None if None in spread else [[v - x["min"] for v, x in zip(sp, spread, strict=True)],
+                                           [x["max"] - v for v, x in zip(sp, spread, strict=True)]]
+        axes[1].bar(xs, sp, width, label=m, yerr=err, capsize=3)  # bars: pooled; whiskers: repeats' range
     for ax, title in ((axes[0], "tokens / s"), (axes[1], "speedup over ar")):
         ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(cs))], [f"C={c}" for c in cs])
         ax.set_title(title)

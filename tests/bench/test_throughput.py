@@ -21,13 +21,21 @@ def test_bench_throughput_reports_machine_bound_and_verify_curve(tmp_path, real_
     settings.model.max_model_len = 512
     settings.dataplane.max_prompt_tokens = 64
     result = run(settings, None, ["ar", "adaptive"], [1, 2], 4, "random", tmp_path / "out", per_domain=1,
-                 min_requests=2, compare_transformers=True)
+                 min_requests=2, compare_transformers=True, repeats=2)
     m = result["machine"]
     assert m["read_bandwidth_gbs"] > 0 and m["served_precision"] in ("float32", "bfloat16")
     assert isinstance(m["cpu_flags"], list) and m["torch_threads"] >= 1
     rows = [r for r in result["rows"] if r["domain"] == "all"]
     assert {(r["mode"], r["concurrency"]) for r in rows} == {("ar", 1), ("ar", 2), ("adaptive", 1), ("adaptive", 2)}
     assert all(r["bound_ms"] > 0 and r["step_ms_p50"] > 0 and r["step_over_bound"] > 0 for r in rows)
+    # two repeats taking turns: each pooled row gives the spread of its per-repeat speedups
+    assert result["repeats"] == 2 and all(len([x for x in result["rows"] if x["domain"] != "all" and
+                                              (x["mode"], x["concurrency"]) == (r["mode"], r["concurrency"])])
+                                         == 2 * len({x["domain"] for x in result["rows"]} - {"all"}) for r in rows)
+    for r in rows:
+        sp = r["speedup_spread"]
+        assert sp["repeats"] == 2 and sp["min"] <= sp["median"] <= sp["max"] and len(sp["per_repeat"]) == 2
+        assert r["mode"] != "ar" or sp["per_repeat"] == [1.0, 1.0]
     curve = {(v["concurrency"], v["tokens_per_request"]) for v in result["verify_cost"]}
     assert curve == {(c, n) for c in (1, 16) for n in (1, 2, 4, 8, 16)}
     assert result["drafter_version"] == "random" and result["weights_mb"]["drafter_own"] > 0
