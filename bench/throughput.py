@@ -219,10 +219,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
         ids = by_domain[domain]
         batch = [ids[i % len(ids)] for i in range(max(min_requests, c))]
         r = run_closed_loop(_engine(node, dp, mode, drafter, version, settings, tok), batch, c, max_tokens)
-        got = r.pop("outputs")
-        if (mode, c, domain) in outputs and outputs[(mode, c, domain)] != got:
-            raise RuntimeError(f"{mode} at C={c} ({domain}) answered differently in repeat {k}")
-        outputs[(mode, c, domain)] = got
+        outputs[(mode, c, domain, k)] = r.pop("outputs")
         rows.append({"mode": mode, "concurrency": c, "domain": domain, "repeat": k, **r})
     _aggregate(rows, concurrency, modes)
     target_b = weight_bytes(node.target)
@@ -232,11 +229,16 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
         b = bound_ms(target_b + (max(draft_b, 0) if r["mode"] != "ar" else 0), bw)
         r["bound_ms"] = round(b, 3)
         r["step_over_bound"] = round(r["step_ms_p50"] / b, 3) if b else None
-    lossless = all(outputs[(m, c, d)] == outputs[("ar", c, d)] for (m, c, d) in outputs if "ar" in modes)
+    # greedy outputs against ar's of the same repeat; by default they may differ at float near-ties
+    # between batch shapes (README), so the share of identical answers is reported too
+    pairs = [(o, outputs[("ar", c, d, k)]) for (m, c, d, k), o in outputs.items() if "ar" in modes and m != "ar"]
+    same = [a == b for o, ref in pairs for a, b in zip(o, ref, strict=True)]
+    lossless = all(same)
     result = {"machine": machine, "target": node.identity, "drafter_version": version, "max_tokens": max_tokens,
               "repeats": repeats,
               "weights_mb": {"target": round(target_b / 1e6, 1), "drafter_own": round(max(draft_b, 0) / 1e6, 1)},
               "rows": rows, "greedy_outputs_identical_to_ar": lossless,
+              "greedy_identical_share": round(sum(same) / len(same), 4) if same else None,
               "verify_cost": verify_cost_curve(node.target), "packed_verify": packed_verify_cost(node.target),
               "cost_model": node.engine.cost.snapshot().model_dump(),
               "forward_paths": forward_paths(node.target_dir, any(f in machine["cpu_flags"] for f in BF16_FLAGS))}

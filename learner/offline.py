@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from adaflash.config import OfflineConfig
+from dataplane import spec_policy as sp
 from learner import data as D
+from learner.anchors import sample_anchors
 from learner.offline_plots import plot
 
 # The training settings are typed in the one configuration (section ``offline``).
@@ -193,17 +195,6 @@ def make_targets(ex: D.Example, anchors: torch.Tensor, k: int, vocab_index: torc
     return lab, valid, invocab
 
 
-def sample_anchors(ex: D.Example, n: int, rng: random.Random) -> torch.Tensor:
-    L = len(ex.tokens)
-    # The target itself supplies the first answer token (prefill), so the first block is
-    # anchored on it: anchors run over answer positions.
-    lo, hi = max(1, ex.resp_start), L - 2
-    if hi < lo:
-        lo = hi = max(1, L - 2)
-    n = min(n, hi - lo + 1)
-    return torch.tensor(sorted(rng.sample(range(lo, hi + 1), n)), dtype=torch.int64)
-
-
 def block_losses(drafter, exs: list[D.Example], cfg: TrainConfig, rng: random.Random, w: torch.Tensor,
                  vocab_index: torch.Tensor | None):
     """Returns (CE loss, head MSE, stats) for a list of sequences."""
@@ -212,7 +203,11 @@ def block_losses(drafter, exs: list[D.Example], cfg: TrainConfig, rng: random.Ra
     wsum = 0.0
     hs, accs, correct, counted, first_ok, first_n = [], [], 0, 0, 0, 0
     for ex in exs:
-        anchors = sample_anchors(ex, cfg.anchors_per_seq, rng)
+        L = len(ex.tokens)  # an answer too short for a block still trains the last one
+        gen = torch.Generator().manual_seed(rng.getrandbits(62))
+        anchors = sample_anchors(min(ex.resp_start, L - 2), L, cfg.anchors_per_seq, gen)
+        if not anchors.numel():  # fewer than three tokens: no block to draft
+            continue
         end = int(anchors.max()) + 1  # context needed: positions < anchor; tokens up to max anchor
         h = drafter.forward_train(ex.hidden[:end].float(), ex.tokens[:end], anchors)  # [A, k, H]
         lab, valid, invocab = make_targets(ex, anchors, k, vocab_index, cfg.tf_consistent_mask)
@@ -224,13 +219,16 @@ def block_losses(drafter, exs: list[D.Example], cfg: TrainConfig, rng: random.Ra
         with torch.no_grad():
             hit = (logits.argmax(-1) == lab[:, 1:]) & (valid & invocab)[:, 1:]
             run = torch.cumprod(hit.int(), dim=1).sum(1)  # leading accepted drafts per block
-            accs.append(run.float() / (k - 1))
+            accs.append(sp.head_label(run.float(), k))  # the head's label, as the online learner's
             correct += int(hit.sum())
             counted += int(valid[:, 1:].sum())
             first_ok += int(hit[:, 0].sum())
             first_n += int(valid[:, 1].sum())
         hs.append(h.detach())
     loss = ce_sum / max(wsum, 1e-6)
+    if not accs:
+        zero = torch.zeros((), requires_grad=True)
+        return zero, zero, {"acc": 0.0, "acc1": 0.0, "sim_tau": 1.0}
     a_star = torch.cat(accs)
     a_hat = drafter.length_head(torch.cat(hs))
     head_loss = F.mse_loss(a_hat, a_star)

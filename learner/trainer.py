@@ -40,6 +40,7 @@ from adaflash.config import LearnerConfig
 from dataplane import spec_policy as sp
 from dataplane.cost_model import CostModel
 from dataplane.drafter import Drafter
+from learner.anchors import sample_anchors
 from learner.losses import distill_loss, head_loss
 from learner.supervision import Supervised, Supervisor
 
@@ -48,16 +49,6 @@ def param_groups(drafter: Drafter, lr_drafter: float, lr_head: float) -> list[di
     head = [p for n, p in drafter.named_parameters() if n.startswith("length_head.")]
     body = [p for n, p in drafter.named_parameters() if not n.startswith("length_head.")]
     return [{"params": body, "lr": lr_drafter, "name": "drafter"}, {"params": head, "lr": lr_head, "name": "head"}]
-
-
-def sample_anchors(sup: Supervised, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to n distinct anchors in [prompt_len, L-2], sorted: [A] int64."""
-    lo, hi = max(1, sup.prompt_len), sup.length - 2
-    if hi < lo:
-        return torch.empty(0, dtype=torch.int64)
-    span = hi - lo + 1
-    pick = torch.randperm(span, generator=gen)[: min(n, span)] + lo
-    return pick.sort().values
 
 
 def round_anchors(sup: Supervised) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +136,7 @@ class Trainer:
         return out
 
     def _record(self, sup: Supervised, gen: torch.Generator) -> dict[str, float]:
-        anchors = sample_anchors(sup, self.cfg.anchors_per_record, gen)
+        anchors = sample_anchors(sup.prompt_len, sup.length, self.cfg.anchors_per_record, gen)
         if not anchors.numel():
             return {}
         d, k = self.drafter, self.k

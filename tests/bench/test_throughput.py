@@ -29,6 +29,7 @@ def test_bench_throughput_reports_machine_bound_and_verify_curve(tmp_path, real_
     assert {(r["mode"], r["concurrency"]) for r in rows} == {("ar", 1), ("ar", 2), ("adaptive", 1), ("adaptive", 2)}
     assert all(r["bound_ms"] > 0 and r["step_ms_p50"] > 0 and r["step_over_bound"] > 0 for r in rows)
     # two repeats taking turns: each pooled row gives the spread of its per-repeat speedups
+    assert 0.0 <= result["greedy_identical_share"] <= 1.0
     assert result["repeats"] == 2 and all(len([x for x in result["rows"] if x["domain"] != "all" and
                                               (x["mode"], x["concurrency"]) == (r["mode"], r["concurrency"])])
                                          == 2 * len({x["domain"] for x in result["rows"]} - {"all"}) for r in rows)

@@ -80,7 +80,8 @@ def test_train_resume_bundle_and_eval(tiny_target, tok, tmp_path):
     assert res["steps"] == 40
     rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["type"] == "train"]
-    assert losses[-1] < losses[0]
+    # each logged loss is one step of two sequences: noisy; on average below the first one
+    assert sum(losses[1:]) / len(losses[1:]) < losses[0]
     assert (out / "loss.png").exists() and (out / "tau.png").exists()
     ev = res["heldout_tau"]
     assert set(ev["domains"]) == {"chat", "code", "math"} and all(r["tau"] >= 1 for r in ev["domains"].values())
