@@ -34,6 +34,8 @@ from adaflash.contracts.admin_api import (
     DeletionOut,
     DeletionScope,
     EvaluationOut,
+    HeartbeatIn,
+    HeartbeatOut,
     KeyCreated,
     KeyIn,
     NodeOut,
@@ -155,6 +157,10 @@ class ControlPlaneClient:
 
     def get_node(self, node_id: str) -> NodeOut:
         return self._call(NodeOut, "GET", f"/nodes/{_seg(node_id)}")
+
+    def heartbeat(self, node_id: str, beat: HeartbeatIn) -> HeartbeatOut:
+        """A node's heartbeat (node role); the answer names the version it should serve."""
+        return self._call(HeartbeatOut, "POST", f"/nodes/{_seg(node_id)}/heartbeat", body=beat)
 
     # -- tenants ----------------------------------------------------------------------------------------------
     def list_tenants(self) -> list[TenantPolicy]:

@@ -46,16 +46,16 @@ def run(target: str = "tiny", out: Path = Path("out/bench-promotion"), swaps: in
     from sqlalchemy import select
 
     from adaflash.config import load_config
-    from controlplane.models import Version
-    from dataplane.target_cache import ensure_target
-    from dataplane.tokenizer import Tokenizer
-    from tests.controlplane.stack import (
+    from bench.embedded_stack import (
         NODE_ADMIN_TOKEN,
         Traffic,
         build_stack,
         feedback_records,
         tiny_target_dir,
     )
+    from controlplane.models import Version
+    from dataplane.target_cache import ensure_target
+    from dataplane.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,14 +16,15 @@ store that failed is retried next interval; nothing is acknowledged until all pu
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from datetime import UTC
 
-import httpx
+from pydantic import ValidationError
 
 from adaflash import credentials
-from adaflash.contracts.admin_api import DeletionAckIn
-from adaflash.controlplane_client import ControlPlaneClient
+from adaflash.contracts.admin_api import DeletionAckIn, HeartbeatIn
+from adaflash.controlplane_client import ControlPlaneClient, ControlPlaneError
 from dataplane.drafter_io import DrafterLoadError
 from dataplane.node import Node
 
@@ -36,7 +37,6 @@ class Reconciler:
         self.base = base_url.rstrip("/")
         self.public_url = public_url
         self.interval = interval_s
-        self.client = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {token}"})
         self.cp = ControlPlaneClient(base_url, token, timeout_s=10.0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,20 +53,12 @@ class Reconciler:
 
     def tick(self) -> dict | None:
         """One heartbeat + convergence step; returns the desired state seen (or None)."""
-        st = self.node.live_status()
-        status = "degraded" if self.node.last_load_error else "ready"
-        body = {"served_version": st["version"], "url": self.public_url, "live_tau": st["tau"],
-                "live_tps": st["tps"], "error_rate": st["error_rate"],
-                "live_load": float(st.get("running", 0) + st.get("waiting", 0)), "status": status,
-                "message": (self.node.last_load_error or "")[:2000] or None,
-                "cost_curve": st.get("cost_curve")}
         try:
-            r = self.client.post(f"{self.base}/api/v1/nodes/{self.node.node_id}/heartbeat", json=body)
-            r.raise_for_status()
-            desired = r.json().get("desired")
-        except (httpx.HTTPError, ValueError) as e:
+            answer = self.cp.heartbeat(self.node.node_id, self.beat())
+        except (ControlPlaneError, ValidationError) as e:
             self.last_error = f"control plane unreachable: {e}"
             return None
+        desired = answer.desired.model_dump() if answer.desired is not None else None
         self.last_error = None
         try:
             self.deletions()
@@ -83,6 +75,17 @@ class Reconciler:
                 self.failed_versions[v] = desired.get("sha256")
                 log.warning("desired drafter %s refused: %s", v, e)
         return desired
+
+    def beat(self) -> HeartbeatIn:
+        """What the node reports: served version, live figures, load, status and cost curve."""
+        st = self.node.live_status()
+        err = self.node.last_load_error
+        return HeartbeatIn.model_validate({
+            "served_version": st["version"], "url": self.public_url, "live_tau": st["tau"], "live_tps": st["tps"],
+            "error_rate": st["error_rate"], "live_load": float(st.get("running", 0) + st.get("waiting", 0)),
+            "status": "degraded" if err else "ready",
+            "message": re.sub(r"[\x00-\x1f\x7f]", " ", err)[:2000] if err else None,  # one printable line
+            "cost_curve": st.get("cost_curve")})
 
     def deletions(self) -> list[dict]:
         """Execute the deletion requests awaiting this node; returns the acknowledgements sent."""
@@ -120,5 +123,4 @@ class Reconciler:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
-        self.client.close()
         self.cp.close()

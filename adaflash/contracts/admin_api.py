@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
+from adaflash.contracts.cost_curve import CostCurve
 from adaflash.contracts.tenancy import TENANT_ID_PATTERN
 
 ID_PATTERN = TENANT_ID_PATTERN  # tenant ids, and component names that follow the same rule
@@ -326,3 +327,27 @@ class KeyOut(BaseModel):
 
 class KeyCreated(KeyOut):
     key: str = Field(description="The secret key. Shown once; store it now.")
+
+
+# -- node heartbeats: POST /nodes/{id}/heartbeat ------------------------------------------------------
+class HeartbeatIn(Input):
+    served_version: Annotated[str, Field(pattern=VERSION_PATTERN)] | None = None
+    url: Annotated[str, Field(max_length=512, pattern=PRINTABLE)] = ""
+    live_tau: Number | None = Field(default=None, ge=0.0)
+    live_tps: Number | None = Field(default=None, ge=0.0)
+    error_rate: Number | None = Field(default=None, ge=0.0, le=1.0)
+    live_load: Number | None = Field(default=None, ge=0.0, le=1e6)  # requests in flight
+    status: Literal["ready", "loading", "degraded", "error"] = "ready"
+    message: Annotated[str, Field(max_length=2000, pattern=PRINTABLE)] | None = None
+    cost_curve: CostCurve | None = None  # the node's measured step times (dataplane/cost_model.py)
+
+
+class DesiredOut(BaseModel):
+    version: str
+    uri: str
+    sha256: str | None
+
+
+class HeartbeatOut(BaseModel):
+    node_id: str
+    desired: DesiredOut | None

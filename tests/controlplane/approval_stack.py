@@ -1,6 +1,6 @@
 """A control plane with one candidate awaiting approval, for the operator CLI and console tests.
 
-Real pieces (tests/controlplane/stack.py): MLflow on SQLite, the control-plane database,
+Real pieces (bench/embedded_stack.py): MLflow on SQLite, the control-plane database,
 the admin API over HTTP on a random port, one serving node on a tiny target heartbeating
 it, and shadow evaluation on held-out records of two tenants and two domains, so the
 candidate has a report with plots per tenant and domain.
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from adaflash.controlplane_client import ControlPlaneClient
-from tests.controlplane.stack import Stack, build_stack, feedback_records, tiny_target_dir
+from bench.embedded_stack import Stack, build_stack, feedback_records, tiny_target_dir
 
 
 @contextmanager

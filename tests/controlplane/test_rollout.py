@@ -3,7 +3,7 @@
 MLflow (SQLite + local artifacts), the control-plane database, the admin API over HTTP,
 and two serving nodes on a tiny target over HTTP, heartbeating the control plane; a
 client keeps sending completions to the live nodes the whole time. The workers are
-driven pass by pass (tests/controlplane/stack.py).
+driven pass by pass (bench/embedded_stack.py).
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from sqlalchemy import select
 from adaflash.contracts import ALIAS_CHAMPION, ALIAS_PREVIOUS
 from adaflash.contracts.manifest import Lineage
 from adaflash.contracts.registry import TAG_GATES, TAG_STATE
-from controlplane import lifecycle
-from controlplane.db import session_scope
-from controlplane.models import AuditEntry, Evaluation, Node, Promotion
-from controlplane.rollout import NodePusher, RolloutReconciler
-from controlplane.shadow import RecordsWindow, ShadowEvaluator
-from controlplane.worker import Workers
-from tests.controlplane.stack import (
+from bench.embedded_stack import (
     NODE_ADMIN_TOKEN,
     Traffic,
     build_stack,
     feedback_records,
     tiny_target_dir,
 )
+from controlplane import lifecycle
+from controlplane.db import session_scope
+from controlplane.models import AuditEntry, Evaluation, Node, Promotion
+from controlplane.rollout import NodePusher, RolloutReconciler
+from controlplane.shadow import RecordsWindow, ShadowEvaluator
+from controlplane.worker import Workers
 
 pytestmark = pytest.mark.services
 

@@ -1,4 +1,4 @@
-"""An embedded control plane with real pieces, for the rollout tests and bench/promotion.py.
+"""An embedded control plane with real pieces, for bench/promotion.py and the rollout tests.
 
 MLflow on SQLite with local artifacts, the control-plane database (SQLite), the admin
 API over real HTTP, serving nodes (dataplane.node.Node on a target model, each over
@@ -8,6 +8,7 @@ pass by pass (``Stack.drive``) so a test decides when the control plane runs.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from controlplane.rollout import NodePusher, RolloutReconciler
 from controlplane.shadow import RecordsWindow, ShadowEvaluator
 from controlplane.worker import Workers
 
-NODE_ADMIN_TOKEN = "test-node-admin-token"
+NODE_ADMIN_TOKEN = secrets.token_urlsafe(24)  # the embedded nodes' admin key, new per process
 
 
 class LiveServer:
