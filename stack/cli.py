@@ -125,7 +125,7 @@ def cmd_up(args, settings) -> int:
              if v is not None}
     if fleet:
         try:
-            settings.stack = settings.stack.model_validate({**settings.stack.model_dump(), **fleet})
+            settings.stack = with_fleet(settings.stack, fleet)
         except ValueError as e:
             raise stack.StackError(f"invalid --nodes / --learners / --database: {e}") from e
     console = Console()
@@ -242,3 +242,10 @@ def cmd_status(args, settings) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(1)
+
+
+def with_fleet(stack_cfg, fleet: dict):
+    """The stack section with ``--nodes`` / ``--learners`` / ``--database`` applied, validated.
+    Only the fields already set are carried over, so unset learner overrides stay unset
+    (dumping every field would set each to None and hand the learners "None")."""
+    return stack_cfg.model_validate({**stack_cfg.model_dump(exclude_unset=True), **fleet})

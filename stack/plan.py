@@ -204,7 +204,8 @@ def learner_override_env(settings: Settings) -> dict[str, str]:
     the learner section already sets (config file or environment)."""
     explicit = settings.learner.model_fields_set
     overrides = settings.stack.learner_overrides.model_dump(exclude_unset=True)
-    return {f"ADAFLASH_LEARNER__{k.upper()}": str(v) for k, v in overrides.items() if k not in explicit}
+    return {f"ADAFLASH_LEARNER__{k.upper()}": str(v) for k, v in overrides.items()
+            if k not in explicit and v is not None}
 
 
 def gate_policy_file(settings: Settings) -> str:

@@ -228,3 +228,16 @@ def test_stack_postgres_database_is_created_once_and_dropped(tmp_path):
         stack_parts.drop_database(dsn, name)
     assert stack_parts.create_database(dsn, name) is True  # it was gone
     stack_parts.drop_database(dsn, name)
+
+
+def test_fleet_flags_leave_learner_overrides_unset(tmp_path, monkeypatch):
+    from adaflash.config import load_config
+    from stack.cli import with_fleet
+
+    monkeypatch.setenv("ADAFLASH_LEARNER__BUFFER_SIZE", "8")
+    settings = load_config(home=tmp_path)
+    settings.stack = with_fleet(settings.stack, {"nodes": 2, "learners": 2})
+    assert (settings.stack.nodes, settings.stack.learners) == (2, 2)
+    env = learner_override_env(settings)
+    # the defaults the learner section does not set, never a "None" for the others
+    assert env == {"ADAFLASH_LEARNER__ANCHORS_PER_RECORD": "4", "ADAFLASH_LEARNER__MAX_WAIT_S": "45.0"}
