@@ -228,7 +228,7 @@ class Learner:
             return self._dlq(msg, e.reason, e.detail)
         outcome = self.buffer.offer(Item(tok, msg.partition, msg.offset,
                                          traceparent=traceparent_from_headers(msg.headers), epoch=self.epoch))
-        if outcome in ("expired", "opt_out"):
+        if outcome in ("expired", "opt_out", "held_out"):  # finished without training: in the ledger, never re-read
             self.done.append(Done(record.record_id, record.tenant_id, outcome, record.created_at.isoformat()))
             self.dirty = True
         elif outcome == "duplicate":

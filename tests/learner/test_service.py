@@ -19,6 +19,7 @@ from dataplane.drafter_io import load_bundle
 from learner.checkpoint import CheckpointStore
 from learner.publish import Publisher
 from learner.service import Learner, state_dir
+from tests.controlplane.shadow_util import evaluation_ids
 from tests.learner.tiny import TARGET_ID, committed, log_ends, make_record, produce, read_all
 
 pytestmark = pytest.mark.services
@@ -43,6 +44,8 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
            ("beta", make_record(tenant="beta", response="y" * 400).to_bytes())]
     old = make_record(tenant="acme", created_at=datetime.now(UTC) - timedelta(days=45))  # past the 30-day TTL
     bad.append(("acme", old.to_bytes()))
+    held = make_record(tenant="beta", record_id=evaluation_ids(1)[0])  # reserved for shadow evaluation
+    bad.append(("beta", held.to_bytes()))
     ensure_topics(s.kafka.bootstrap, s.kafka, 3_600_000)
     produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good] + bad)
 
@@ -58,6 +61,8 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
     ledger = [rid for rid, _ in store.ledger()]
     assert sorted(ledger) == sorted(r.record_id for r in good)
     assert store.seen(old.record_id) and old.record_id not in ledger  # expired: never trained, not re-read
+    # held out for evaluation: never trained, but finished in the ledger (accounted, not re-read)
+    assert store.seen(held.record_id) and held.record_id not in ledger
     # offsets committed to the group only after the checkpoint, and up to the end of the log
     assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
         log_ends(broker.bootstrap, s.kafka.feedback_topic, len(good) + len(bad)) == store.offsets(s.kafka.feedback_topic)
