@@ -179,6 +179,7 @@ def fleet_state(settings, api: str, admin: str, mlflow_uri: str) -> dict:
     from adaflash.contracts.registry import TAG_STATE
 
     ml_versions = {rv.version: rv.tags.get(TAG_STATE) for rv in rvs}
-    ml_aliases = {a: next((rv.version for rv in rvs if a in rv.aliases), None) for a in ("champion", "previous")}
+    # asked one by one: MLflow's version search leaves every version's aliases empty (mlflow#9783)
+    ml_aliases = {a: reg.alias(a) for a in ("champion", "previous")}
     return {"nodes": nodes, "audit": audit, "db_versions": db_versions, "mlflow_versions": ml_versions,
             "db_aliases": db_aliases, "mlflow_aliases": ml_aliases}
