@@ -190,7 +190,8 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
     if flood:  # the flooding tenant may hold two requests in flight (prompt + max_tokens ~ 45 tokens each)
         with ControlPlaneClient(ep["controlplane_url"], admin, timeout_s=10) as cp:
             cp.set_tenant_policy(FLOOD_TENANT, max_queued=FLOOD_MAX_QUEUED, max_tokens=FLOOD_MAX_TOKENS)
-    traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts(), flood_threads=4 if flood else 0)
+    traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts(), flood_threads=4 if flood else 0,
+                      node_admin_token=admin)  # the fleet's nodes take the stack's admin key (stack/plan.py)
     inj = Injector(settings, traffic.now, admin)
     scraper = FeedbackScraper(settings, ep["dataplane_urls"])
     duration = minutes * 60.0
@@ -221,7 +222,7 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
               "flood": flood, "database": database,
               "endpoints": {k: ep.get(k) for k in ("dataplane_urls", "node_ids", "learner_ids", "database_url")},
               "faults": fault_rows, "ttft_by_tenant": checks.ttft_by_tenant(events),
-              "invariants": inv, "events": events}
+              "invariants": inv, "stuck_requests": traffic.stuck, "events": events}
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     plot(result, out / "timeline.png")
     return result

@@ -51,7 +51,8 @@ def load_prompts(n: int = 16) -> dict[str, list[str]]:
 
 class Traffic:
     def __init__(self, urls: list[str], tenants: int, concurrency: int, prompts: dict[str, list[str]],
-                 max_tokens: int = 16, flood_threads: int = 4, seed: int = 0):
+                 max_tokens: int = 16, flood_threads: int = 4, seed: int = 0, node_admin_token: str | None = None,
+                 stuck_after_s: float = 45.0):
         self.urls, self.tenants, self.concurrency = urls, [f"t{i}" for i in range(tenants)], concurrency
         self.prompts, self.max_tokens, self.flood_threads = prompts, max_tokens, flood_threads
         self.events: list[Event] = []
@@ -61,8 +62,10 @@ class Traffic:
         self._rng = random.Random(seed)
         self._kinds = itertools.cycle(KINDS)
         self._threads: list[threading.Thread] = []
-        self._open: dict[int, tuple[float, str, str]] = {}  # request id -> (start, kind, tenant)
+        self._open: dict[int, tuple[float, str, str, int]] = {}  # request id -> (start, kind, tenant, node)
         self._ids = itertools.count()
+        self.node_admin_token, self.stuck_after_s = node_admin_token, stuck_after_s
+        self.stuck: list[dict] = []  # what a node said of its requests in flight when one of ours hung
 
     def start(self) -> None:
         self._t0 = time.monotonic()
@@ -70,6 +73,8 @@ class Traffic:
             self._threads.append(threading.Thread(target=self._client, args=(i,), daemon=True))
         for _ in range(self.flood_threads):
             self._threads.append(threading.Thread(target=self._flood, daemon=True))
+        if self.node_admin_token:
+            self._threads.append(threading.Thread(target=self._watch, daemon=True))
         for t in self._threads:
             t.start()
 
@@ -95,6 +100,23 @@ class Traffic:
                     kind = next(self._kinds)
                 tenant = self.tenants[(i + n) % len(self.tenants)]
                 self._one(client, kind, tenant, (i + n) % len(self.urls))
+
+    def _watch(self) -> None:
+        """A request open past ``stuck_after_s``: ask its node what it holds (GET /admin/requests)."""
+        seen: set[int] = set()
+        with httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {self.node_admin_token}"}) as client:
+            while not self._stop.wait(5.0):
+                with self._lock:
+                    late = [(rid, v) for rid, v in self._open.items()
+                            if rid not in seen and self.now() - v[0] > self.stuck_after_s]
+                for rid, (t0, kind, tenant, node) in late:
+                    seen.add(rid)
+                    try:
+                        state = client.get(f"{self.urls[node]}/admin/requests").json()
+                    except (httpx.HTTPError, ValueError) as e:
+                        state = {"error": f"{type(e).__name__}: {e}"}
+                    self.stuck.append({"t": t0, "kind": kind, "tenant": tenant, "node": node,
+                                       "asked_at": self.now(), "node_state": state})
 
     def _flood(self) -> None:
         with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
@@ -130,7 +152,7 @@ class Traffic:
         t0 = self.now()
         rid = next(self._ids)
         with self._lock:
-            self._open[rid] = (t0, kind, tenant)
+            self._open[rid] = (t0, kind, tenant, node)
         try:
             self._attempts(client, kind, tenant, node, path, body, t0)
         finally:
@@ -177,7 +199,8 @@ class Traffic:
     def still_open(self) -> list[dict]:
         """Requests that had not ended when asked (after ``stop``: hung past its join timeout)."""
         with self._lock:
-            return [{"t": t, "kind": k, "tenant": tn, "open_s": self.now() - t} for t, k, tn in self._open.values()]
+            return [{"t": t, "kind": k, "tenant": tn, "node": n, "open_s": self.now() - t}
+                    for t, k, tn, n in self._open.values()]
 
     def summary(self) -> list[dict]:
         with self._lock:

@@ -310,15 +310,15 @@ class Engine:
         s.token_times.extend([now] * len(added))
         self.metrics.on_tokens(len(added), 1)
         env = self._envelopes.get(id(s))
+        if reason is not None:  # finished (status, reason) before the client hears of it: the HTTP
+            self._finish(s, reason)  # side reads seq.finish_reason as soon as the update arrives
         if env is not None and env.on_update is not None:
             try:
                 env.on_update(s, added, reason is not None)
             except Exception:  # a broken client callback must not stop the engine
                 log.exception("on_update failed")
                 s.cancelled = True
-        if reason is not None:
-            self._finish(s, reason)
-        elif s.cancelled:
+        if reason is None and s.cancelled:
             self._finish(s, "cancelled")
         return len(added)
 

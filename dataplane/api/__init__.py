@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from dataplane.admission import install_quota_errors
 from dataplane.api import admin, deps, errors, health, openai
+from dataplane.api.generation import InflightRequests
 from dataplane.grammar import GrammarCompiler
 from dataplane.node import Node
 from dataplane.tracing import TracingMiddleware
@@ -22,6 +23,7 @@ def create_app(node: Node, admin_token: str) -> FastAPI:
     app.state.node = node
     app.state.admin_token = admin_token
     app.state.grammars = GrammarCompiler(node.tokenizer, node.target.args.vocab_size)
+    app.state.inflight = InflightRequests()
     app.add_middleware(TracingMiddleware, node=node)
     errors.install(app, on_reject=lambda code: node.engine.metrics.rejected.labels(reason=code).inc())
     install_quota_errors(app, node.engine.metrics)  # a tenant over its queue limit or token budget: 429

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from adaflash.contracts.serving import DrafterLoadRequest
 from dataplane.api import deps
@@ -29,3 +29,10 @@ async def post_drafter(req: DrafterLoadRequest = Depends(deps.body_of(DrafterLoa
     except DrafterLoadError as e:
         raise ApiError(409, f"drafter refused, still serving {node.engine.drafter_version}: {e}",
                        param="uri", code="drafter_refused") from e
+
+
+@router.get("/requests")
+async def get_requests(request: Request, node: Node = Depends(deps.node)):
+    """Completion requests in flight: stage, age, and where the engine holds each choice."""
+    return {"node_id": node.node_id, "engine": node.engine.load, "engine_steps": node.engine.steps,
+            "requests": request.app.state.inflight.snapshot()}

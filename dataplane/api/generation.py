@@ -9,6 +9,8 @@ thread) into one asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,11 +22,12 @@ from dataplane.admission import TenantOverQuota
 from dataplane.envelope import RequestEnvelope
 from dataplane.node import Node
 from dataplane.sampling import CHOICE_STREAM, TokenLogprob, mix_seed
-from dataplane.sequence import SamplingParams, Sequence
+from dataplane.sequence import SamplingParams, Sequence, Status
 from dataplane.tokenizer import Detokenizer
 from dataplane.tracing import attach
 
 DISCONNECT_POLL_S = 1.0
+STALE_S = 600.0  # an in-flight entry whose choices all finished this long ago is dropped
 
 
 @dataclass
@@ -124,6 +127,9 @@ class Generation:
                 if request is not None and await request.is_disconnected():
                     self.cancel()
                     return
+                for c in self.choices:  # level-triggered too: a choice the engine finished is delivered
+                    if not c.done and c.seq.status is Status.FINISHED and c.seq.finish_reason is not None:
+                        yield self._delta(c, True)
                 continue
             c = self.choices[index]
             if c.done:
@@ -133,3 +139,66 @@ class Generation:
     @property
     def error(self) -> str | None:
         return next((c.seq.error or "engine error" for c in self.choices if c.finish_reason == "error"), None)
+
+
+@dataclass
+class _Open:
+    path: str
+    tenant: str
+    started: float
+    stage: str = "validating"
+    gen: Generation | None = None
+    changed: float = 0.0
+
+
+class InflightRequests:
+    """Completion requests in the HTTP layer, from validation to their last byte, with the
+    stage each has reached and where the engine holds its choices (``GET /admin/requests``):
+    what an operator looks at when a client says its request hangs."""
+
+    def __init__(self):
+        self._open: dict[int, _Open] = {}
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+
+    def open(self, path: str, tenant: str) -> int:
+        key, now = next(self._keys), time.monotonic()
+        with self._lock:
+            # a stream whose body was never iterated (client gone first) never closes its entry
+            for k in [k for k, o in self._open.items() if o.gen is not None and now - o.changed > STALE_S
+                      and all(c.seq.status is Status.FINISHED for c in o.gen.choices)]:
+                del self._open[k]
+            self._open[key] = _Open(path, tenant, now, changed=now)
+        return key
+
+    def stage(self, key: int, stage: str, gen: Generation | None = None) -> None:
+        with self._lock:
+            o = self._open.get(key)
+            if o is not None:
+                o.stage, o.changed = stage, time.monotonic()
+                o.gen = gen or o.gen
+
+    def close(self, key: int) -> None:
+        with self._lock:
+            self._open.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def snapshot(self) -> list[dict]:
+        now = time.monotonic()
+        with self._lock:
+            items = list(self._open.values())
+        out = []
+        for o in sorted(items, key=lambda o: o.started):
+            row = {"path": o.path, "tenant": o.tenant, "stage": o.stage, "age_s": round(now - o.started, 3),
+                   "stage_age_s": round(now - o.changed, 3), "id": None, "choices": []}
+            if o.gen is not None:
+                row["id"] = o.gen.id
+                row["choices"] = [{"index": c.index, "engine_status": c.seq.status.value,
+                                   "finished_in_engine": c.seq.status is Status.FINISHED,
+                                   "engine_finish_reason": c.seq.finish_reason, "delivered": c.done,
+                                   "output_tokens": len(c.seq.output_ids), "pending_updates": o.gen.queue.qsize()}
+                                  for c in o.gen.choices]
+            out.append(row)
+        return out

@@ -18,7 +18,7 @@ from adaflash.contracts.serving import (
 )
 from dataplane.api import bodies, deps
 from dataplane.api.errors import ApiError
-from dataplane.api.generation import Delta, Generation
+from dataplane.api.generation import Delta, Generation, InflightRequests
 from dataplane.grammar import GrammarError
 from dataplane.node import Node
 from dataplane.sequence import SamplingParams
@@ -82,6 +82,20 @@ async def _grammar(request: Request, req):
 
 
 async def _serve(request: Request, node: Node, req, prompt_text: str, tenant: str, chat: bool, top: int | None):
+    inflight: InflightRequests = request.app.state.inflight
+    key = inflight.open(request.url.path, tenant)
+    handed_off = False
+    try:
+        resp = await _generate(request, node, req, prompt_text, tenant, chat, top, inflight, key)
+        handed_off = isinstance(resp, StreamingResponse)
+        return resp
+    finally:
+        if not handed_off:  # a stream leaves the registry when its last byte is out
+            inflight.close(key)
+
+
+async def _generate(request: Request, node: Node, req, prompt_text: str, tenant: str, chat: bool, top: int | None,
+                    inflight: InflightRequests, key: int):
     cfg = node.settings.dataplane
     if req.model is not None and req.model not in served_names(node):
         raise _unknown_model(node, req.model)
@@ -102,10 +116,13 @@ async def _serve(request: Request, node: Node, req, prompt_text: str, tenant: st
                             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                             grammar=await _grammar(request, req))
     gen = Generation(node, ids, prompt_text, tenant, params, req.n, req.domain, chat)
+    inflight.stage(key, "queueing", gen)
     gen.start()
+    inflight.stage(key, "generating")
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(request, node, gen, chat, usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(request, node, gen, chat, usage, lambda: inflight.close(key)),
+                                 media_type="text/event-stream")
     try:
         texts = await _collect(request, gen)
     except asyncio.CancelledError:
@@ -141,8 +158,8 @@ def _sse(body: dict) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-async def _stream(request: Request, node: Node, gen: Generation, chat: bool, include_usage: bool
-                  ) -> AsyncIterator[bytes]:
+async def _stream(request: Request, node: Node, gen: Generation, chat: bool, include_usage: bool,
+                  on_close=None) -> AsyncIterator[bytes]:
     head = {"id": gen.id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": gen.created, "model": node.identity["id"]}
     extra = {"usage": None} if include_usage else {}
@@ -168,6 +185,8 @@ async def _stream(request: Request, node: Node, gen: Generation, chat: bool, inc
         raise
     finally:
         gen.cancel()
+        if on_close is not None:
+            on_close()
 
 
 def _chunk_choice(node: Node, d: Delta, chat: bool, first: bool, finish: str | None) -> dict:

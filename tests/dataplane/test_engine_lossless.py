@@ -50,3 +50,23 @@ def test_oracle_drafter_is_lossless_and_accepts(tiny_target, ar_outputs, concurr
     if error_rate == 0.0:
         # k_hat = floor(0.7 * 8) = 5: every draft of every full round is accepted.
         assert all(r.accepted == r.k_hat - 1 for s in seqs for r in s.rounds)
+
+
+def test_the_last_update_finds_the_request_finished(tiny_target):
+    """The HTTP side reads ``seq.finish_reason`` the moment the engine's last update arrives
+    (on the event loop, while the engine thread goes on): the engine must have finished the
+    sequence before it tells. Told first, a reader in between saw no finish reason and
+    waited for an update that never came: the request hung with its answer done."""
+    from dataplane.envelope import RequestEnvelope
+    from dataplane.sequence import SamplingParams, Sequence, Status
+    from tests.dataplane.engine_util import make_engine, prompts
+
+    seen = []
+    eng = make_engine(tiny_target, mode="ar")
+    for i, (p, limit) in enumerate(zip(prompts(6, 97, seed=5), (1, 2, 5, 9, 13, 17), strict=True)):
+        s = Sequence(request_id=f"r{i}", prompt_ids=p, params=SamplingParams(max_tokens=limit, ignore_eos=True))
+        env = RequestEnvelope(prompt_text="", domain=None,
+                              on_update=lambda q, _new, done: done and seen.append((q.status, q.finish_reason)))
+        eng.add(s, env)
+    eng.run_until_idle()
+    assert seen == [(Status.FINISHED, "length")] * 6

@@ -131,3 +131,26 @@ def test_admin_load_from_a_server_without_a_bundle_is_409(server):
     assert err["code"] == "drafter_refused" and err["param"] == "uri"
     assert "serves no MLflow artifact directory" in err["message"] and f"still serving {before}" in err["message"]
     assert httpx.get(f"{server.url}/admin/drafter", headers=auth).json()["version"] == before
+
+
+def test_admin_lists_the_requests_in_flight(server):
+    """GET /admin/requests: each completion in flight with its stage and where the engine
+    holds it; a stream stays listed until its last byte, an answered request is gone."""
+    url, auth = server.url, {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{url}/admin/requests").status_code == 401
+    assert httpx.get(f"{url}/admin/requests", headers=auth).json()["requests"] == []
+    req = {"messages": [{"role": "user", "content": "Count to fifty"}], "max_tokens": 40, "temperature": 0,
+           "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=req, headers={"X-Tenant-ID": "acme"},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        listed = httpx.get(f"{url}/admin/requests", headers=auth).json()["requests"]
+        assert [(x["path"], x["tenant"], x["stage"]) for x in listed] == [("/v1/chat/completions", "acme",
+                                                                           "generating")]
+        assert listed[0]["id"].startswith("chatcmpl-") and listed[0]["choices"][0]["engine_status"] in (
+            "running", "finished")
+        for _ in lines:
+            pass
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60).status_code == 200
+    assert httpx.get(f"{url}/admin/requests", headers=auth).json()["requests"] == []
