@@ -24,6 +24,10 @@ One step, as the engine runs it:
    ``max_backoff``) and comes back through a probe: a short block of ``probe_length``
    tokens that resets the back-off when its draft is accepted. A node whose last pass paid
    for nobody lets only ``probe_requests`` requests (taking turns) draft in its next pass.
+   A drafter just set (no calibrated steps yet) is on probation the same way: for its
+   first ``warmup_rounds`` calibrated steps only ``probe_requests`` requests draft, each a
+   probe, so an untrained head that claims high acceptance costs a few probes, not every
+   request's full block, before calibration has measured it.
 3. ``observe`` (after verification): the round joins the request's history, calibration
    (realised / predicted accepted drafts) is updated, and the node backs the drafter off
    when a pass paid for no request.
@@ -58,6 +62,7 @@ class PolicyConstants:
     probe_requests: int = 2  # requests that draft in a pass while the node is backed off
     reset_share: float = 0.5  # a round keeping this share of its drafts resets the back-off
     unknown_p: float = 0.5  # budget policy: acceptance assumed for a request with no estimate yet
+    warmup_rounds: int = 4  # calibrated steps a new drafter's head serves as probes before it is trusted
 
 
 CONSTANTS = PolicyConstants()
@@ -259,6 +264,9 @@ def reserve(reqs: Sequence[RequestState], caps: Sequence[int], eligible: Sequenc
     node_ok = node_may_draft(cfg, node)  # a node-wide skip step passes whether or not anyone could draft
     if cfg.mode == "ar" or not any(may) or not node_ok:
         return out
+    if warming_up(cfg, node):  # probation: a few probes measure the new head before it is trusted
+        _take_turns(may, cfg, node)
+        return [min(c, cfg.consts.probe_length) if m else 1 for c, m in zip(caps, may, strict=True)]
     _probe_pass(may, cfg, node)
     batch = batch or len(reqs)
     if cfg.policy == "budget" and cfg.mode == "adaptive":
@@ -277,6 +285,12 @@ def reserve(reqs: Sequence[RequestState], caps: Sequence[int], eligible: Sequenc
     return out
 
 
+def warming_up(cfg: PolicyConfig, node: NodeState) -> bool:
+    """The drafter was set fewer than ``warmup_rounds`` calibrated steps ago (its head's
+    claims not yet measured against verification on this node)."""
+    return cfg.node_backs_off and node.calib_rounds < cfg.consts.warmup_rounds
+
+
 def _probe_pass(may: list[bool], cfg: PolicyConfig, node: NodeState) -> None:
     """While the node is backed off (its last pass paid for nobody), a pass only finds out
     whether drafting pays again: ``probe_requests`` of the eligible requests draft, taking
@@ -284,6 +298,11 @@ def _probe_pass(may: list[bool], cfg: PolicyConfig, node: NodeState) -> None:
     not the whole batch's. ``may`` is narrowed in place."""
     if not cfg.node_backs_off or node.backoff <= 1:
         return
+    _take_turns(may, cfg, node)
+
+
+def _take_turns(may: list[bool], cfg: PolicyConfig, node: NodeState) -> None:
+    """Narrow ``may`` in place to ``probe_requests`` of the eligible requests, taking turns."""
     idx = [i for i, m in enumerate(may) if m]
     n = cfg.consts.probe_requests
     if len(idx) <= n:
@@ -312,6 +331,10 @@ def choose(reqs: Sequence[RequestState], a_hats: Sequence[float], reserved: Sequ
         return [min(r, paper_k_hat(a, cfg.block_size, cfg.gamma)) for a, r in zip(a_hats, reserved,
                                                                                     strict=True)], True
     ps = [request_p(a, r, cfg, node) for a, r in zip(a_hats, reqs, strict=True)]
+    if warming_up(cfg, node):  # probation probes are verified as reserved: calibration needs their rounds
+        for r, p in zip(reqs, ps, strict=True):
+            r.p_est = p
+        return list(reserved), True
     if cfg.policy == "budget":
         lengths = allocate(ps, reserved, cost, sum(reserved))
     else:
@@ -384,13 +407,16 @@ def calibrate(node: NodeState, rounds: Sequence[tuple[int, float, int]], cfg: Po
     (k_hat, a_hat, accepted) that drafted. The first steps after a drafter is set average
     with weight 1/n (a bias-corrected start), later ones with ``calib_min_weight``."""
     pred = real = 0.0
+    drafted = False
     for k, a_hat, acc in rounds:
         if k > 1:
+            drafted = True
             pred += expected_accepted(position_accept(cfg.gamma * a_hat, cfg.block_size, cfg.consts), k - 1)
             real += acc
+    if drafted:  # a step that verified drafts counts towards the warm-up, whatever its head predicted
+        node.calib_rounds += 1
     if pred > 0:
         c = cfg.consts
-        node.calib_rounds += 1
         w = max(c.calib_min_weight, 1.0 / node.calib_rounds)
         node.calib = min(c.calib_ceiling, max(c.calib_floor, (1.0 - w) * node.calib + w * (real / pred)))
 

@@ -92,6 +92,7 @@ def test_node_backs_off_the_drafter_when_no_request_would_verify_a_draft(tiny_ta
         eng = make_engine(tiny_target, drafter=d, max_running=4)
         eng.cost.draft_per_request_s = 10.0
         eng.cost.observe_draft = lambda batch, seconds: None  # keep the drafter's cost pinned
+        eng.step_runner.node.calib_rounds = sp.CONSTANTS.warmup_rounds  # past the new drafter's probation
         if not node_backoff:
             eng.step_runner.node.backoff = 0  # node-wide skips stay at zero
         return [s.output_ids for s in run(eng, ps, max_tokens=12)], len(calls)

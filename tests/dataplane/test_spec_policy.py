@@ -10,6 +10,11 @@ from dataplane import spec_policy as sp
 from dataplane.cost_model import CostModel
 
 
+def _trusted() -> sp.NodeState:
+    """A node whose drafter has passed its warm-up (its head calibrated on enough steps)."""
+    return sp.NodeState(calib_rounds=sp.CONSTANTS.warmup_rounds)
+
+
 def _linear(base=0.08, per_request=0.004, per_token=0.0025, draft=0.01) -> CostModel:
     return CostModel(base_s=base, per_request_s=per_request, per_token_s=per_token, draft_per_request_s=draft)
 
@@ -32,7 +37,7 @@ def test_paper_rule(a_hat, gamma, k_hat):
 def test_paper_rule_is_what_adaptive_mode_runs_without_breakeven():
     cfg = sp.PolicyConfig(block_size=16, breakeven=False)
     reqs = [sp.RequestState() for _ in range(3)]
-    lengths, paid = sp.choose(reqs, [0.1, 0.5, 0.95], [16, 16, 4], 3, cfg, sp.NodeState(), _linear())
+    lengths, paid = sp.choose(reqs, [0.1, 0.5, 0.95], [16, 16, 4], 3, cfg, _trusted(), _linear())
     assert lengths == [1, 8, 4] and paid  # capped by the reservation
 
 
@@ -77,7 +82,7 @@ def test_best_length_follows_a_non_linear_curve():
 def test_breakeven_backs_off_then_probes_with_a_short_block():
     cfg = sp.PolicyConfig(block_size=8)
     cost = _curve({t: 0.01 * t for t in range(1, 9)}, draft=0.005)  # every verify token costs a full step
-    node, req = sp.NodeState(), sp.RequestState()
+    node, req = _trusted(), sp.RequestState()
     lengths, paid = sp.choose([req], [0.3], [8], 1, cfg, node, cost)
     assert lengths == [1] and not paid
     assert req.skip == 1 and req.backoff == 2 and req.probe
@@ -96,7 +101,7 @@ def test_failed_probes_double_the_back_off_up_to_its_ceiling():
     cost = _curve({t: 0.01 * t for t in range(1, 9)}, draft=0.005)
     req = sp.RequestState()
     for _ in range(8):
-        sp.choose([req], [0.05], [2], 1, cfg, sp.NodeState(), cost)
+        sp.choose([req], [0.05], [2], 1, cfg, _trusted(), cost)
         sp.observe(req, 2, 0, cfg)
     assert req.backoff == cfg.consts.max_backoff and req.probe
 
@@ -105,7 +110,7 @@ def test_a_backed_off_node_probes_with_a_few_requests_taking_turns():
     cfg = sp.PolicyConfig(block_size=8)
     n = cfg.consts.probe_requests
     reqs = [sp.RequestState() for _ in range(6)]
-    node = sp.NodeState()
+    node = _trusted()
     assert sp.reserve(reqs, [8] * 6, [True] * 6, cfg, node, _linear()).count(1) == 0  # all draft
     sp.after_pass(cfg, node, paid=False)  # that pass paid for nobody
     node.skip = 0
@@ -121,7 +126,7 @@ def test_a_backed_off_node_probes_with_a_few_requests_taking_turns():
 
 def test_node_backs_off_when_a_pass_pays_for_nobody():
     cfg = sp.PolicyConfig(block_size=8)
-    node = sp.NodeState()
+    node = _trusted()
     sp.after_pass(cfg, node, paid=False)
     sp.after_pass(cfg, node, paid=False)
     assert node.skip == 2 and node.backoff == 4
@@ -156,7 +161,7 @@ def test_budget_policy_reserves_before_drafting():
     cfg = sp.PolicyConfig(block_size=16, policy="budget", max_verify_tokens=24)
     reqs = [sp.RequestState(p_est=0.9), sp.RequestState(p_est=0.1), sp.RequestState(skip=2)]
     cost = _linear(base=0.05, per_request=0.0, per_token=0.0005, draft=0.0)
-    res = sp.reserve(reqs, [16, 16, 16], [True] * 3, cfg, sp.NodeState(), cost)
+    res = sp.reserve(reqs, [16, 16, 16], [True] * 3, cfg, _trusted(), cost)
     assert res[2] == 1 and res[0] > res[1] >= 2 and sum(res) <= 24 + 1
 
 
@@ -166,7 +171,7 @@ def test_ece_per_position_is_zero_for_a_calibrated_head_and_large_for_an_overcon
 
     cfg = sp.PolicyConfig(block_size=8)
     a = 0.5
-    p = sp.head_p(a, cfg, sp.NodeState())
+    p = sp.head_p(a, cfg, _trusted())
     rng = random.Random(0)
     good, bad = [], []
     for _ in range(4000):
@@ -215,3 +220,27 @@ def test_engine_serves_losslessly_under_each_policy_and_drafts_only_for_the_chos
     ar = [s.output_ids for s in run(make_engine(tiny_target, mode="ar", max_running=8), ps, max_tokens=16)]
     assert out == ar
     assert drafted and max(drafted) <= max(chosen)
+
+
+def test_a_new_drafter_serves_a_few_probes_before_its_head_is_trusted():
+    """An untrained head claiming high acceptance: while the node has calibrated fewer than
+    warmup_rounds steps, only probe_requests requests draft, each a probe of probe_length
+    tokens verified as reserved; once calibration measured the head, it backs off."""
+    cfg = sp.PolicyConfig(block_size=8)
+    cost = _curve({t: 0.01 * (1 + 0.05 * t) for t in range(1, 65)}, draft=0.002)
+    node, reqs = sp.NodeState(), [sp.RequestState() for _ in range(6)]
+    c = sp.CONSTANTS
+    for step in range(c.warmup_rounds):
+        res = sp.reserve(reqs, [8] * 6, [True] * 6, cfg, node, cost)
+        drafting = [i for i, r in enumerate(res) if r > 1]
+        assert len(drafting) == c.probe_requests and all(res[i] == c.probe_length for i in drafting), (step, res)
+        lengths, paid = sp.choose([reqs[i] for i in drafting], [0.9] * len(drafting), [res[i] for i in drafting],
+                                  6, cfg, node, cost)
+        assert lengths == [c.probe_length] * len(drafting) and paid
+        sp.calibrate(node, [(k, 0.9, 0) for k in lengths], cfg)  # every probe's draft rejected
+    assert not sp.warming_up(cfg, node) and node.calib <= c.calib_floor + 1e-9
+    res = sp.reserve(reqs, [8] * 6, [True] * 6, cfg, node, cost)
+    drafting = [i for i, r in enumerate(res) if r > 1]
+    lengths, paid = sp.choose([reqs[i] for i in drafting], [0.9] * len(drafting), [res[i] for i in drafting],
+                              6, cfg, node, cost)
+    assert not paid and all(reqs[i].skip > 0 for i in drafting)  # measured: drafting does not pay, back off
