@@ -130,6 +130,10 @@ class Learner:
         self.publisher = publisher
         self.consumer = None
         self.consumed_next: dict[int, int] = {}
+        # records of partitions revoked by a rebalance still under way: kept aside until the
+        # assignment says whether the partition came back (see ``_revoked``)
+        self.suspended: list[Item] = []
+        self.suspended_parts: set[int] = set()
         self.done: list[Done] = []  # records finished without training since the last checkpoint
         self.dirty = False  # offsets moved past records that need no training (DLQ, skips)
         self.counters: dict[str, int] = defaultdict(int)
@@ -173,23 +177,44 @@ class Learner:
         ensure_topics(kc.bootstrap, kc, default_retention_ms(self.settings.governance), update_existing=False)
 
     def _assigned(self, partitions: set[int]) -> None:
-        """After the broker came back empty, a partition not yet read in this epoch starts at
+        """The rebalance's outcome. A revoked partition assigned to us again keeps its fetch
+        position (the client preserves the state of partitions in both assignments), so its
+        records set aside at the revocation go back into the buffer: dropped, they would never
+        be read again and the next commit would move past them. Records of partitions now
+        owned elsewhere are forgotten; the next owner re-reads them from the committed offsets
+        (they wait a while in case the broker restarted empty: then nobody can).
+
+        After the broker came back empty, a partition not yet read in this epoch starts at
         offset 0, whatever the group says: offsets committed to the new broker before the
         reset was noticed came from positions in the old log, and a rejoin that completes
         after the reset's seek would resume from them and skip the new records."""
         with self._lock:
+            lost = self.suspended_parts - partitions
+            back, gone = [], []
+            for it in self.suspended:
+                (back if it.partition in partitions else gone).append(it)
+            self.suspended, self.suspended_parts = [], set()
+            for it in back:
+                self.buffer.offer(it)
+            # records handled from a fetch made before the revocation, of a partition now elsewhere
+            gone += self.buffer.drop_partitions(lost, epoch=self.epoch)
+            self.watch.revoked(gone)
+            for p in lost:
+                self.consumed_next.pop(p, None)
+            if back or gone:
+                log.info("rebalance: %d held records kept (partitions %s), %d forgotten (partitions %s)",
+                         len(back), sorted(partitions), len(gone), sorted(lost))
             fresh = partitions - self.epoch_read
             if self.epoch > 0 and fresh:
                 self.consumer.seek_to_start(fresh)
                 log.info("epoch %d: partitions %s read from offset 0", self.epoch, sorted(fresh))
 
     def _revoked(self, partitions: set[int]) -> None:
-        """Records of partitions we no longer own are forgotten: the next owner re-reads them
-        (they wait a while in case the broker restarted empty: then nobody can)."""
+        """A rebalance took ``partitions`` away, perhaps to hand them back: their held records
+        are set aside (not trained, still holding the offsets back) until ``_assigned``."""
         with self._lock:
-            self.watch.revoked(self.buffer.drop_partitions(partitions, epoch=self.epoch))
-            for p in partitions:
-                self.consumed_next.pop(p, None)
+            self.suspended.extend(self.buffer.drop_partitions(partitions, epoch=self.epoch))
+            self.suspended_parts |= partitions
 
     def on_broker_reset(self) -> None:
         """The broker came back empty: a new epoch reads every partition from its start."""
@@ -248,7 +273,7 @@ class Learner:
         """Per partition, the next offset to resume from: nothing at or after a held record
         (of this epoch: a record read before the broker came back empty has no offset now)."""
         out = dict(self.consumed_next)
-        for it in self.buffer.held():
+        for it in self.buffer.held() + self.suspended:
             if it.partition in out and it.epoch == self.epoch:
                 out[it.partition] = min(out[it.partition], it.offset)
         return out
@@ -265,6 +290,9 @@ class Learner:
             ledger = self.store.purge_tenant(tenant_id, before)  # persists the cut-off first
             self.deleted = self.store.deleted_before()
             buffered, deferred = self.buffer.purge_tenant(tenant_id)
+            kept = [it for it in self.suspended if it.record.tenant_id != tenant_id]
+            buffered += len(self.suspended) - len(kept)
+            self.suspended = kept
             pending = [d for d in self.done if d.tenant_id == tenant_id]
             self.done = [d for d in self.done if d.tenant_id != tenant_id]
             if buffered or deferred or pending:

@@ -114,3 +114,54 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
     assert again.run(exit_when_idle_s=1.0) == 0
     store2 = CheckpointStore(state_dir(s))
     assert len(store2.ledger()) == len(good)
+
+
+def test_a_rebalance_that_hands_a_partition_back_loses_none_of_its_held_records(tmp_path, broker, target_dir,
+                                                                                 drafter_dir):
+    """The client keeps the fetch position of a partition that is revoked and assigned back
+    in one rebalance, so the records the learner held for it are never fetched again: set
+    aside at the revocation, they return to the buffer when the partition comes back and
+    are trained; those of a partition that went elsewhere are forgotten for its next owner,
+    and the offsets to commit never pass a held record."""
+    from adaflash.contracts.feedback import is_evaluation_record
+
+    s = learner_settings(tmp_path, broker, target_dir, drafter_dir, buffer_size=64, max_wait_s=3600.0)
+    # keys acme and zeta go to partitions 0 and 1 of two (Kafka's murmur2 partitioner)
+    recs = [make_record(tenant=t, response=f"reply {i} from {t}.") for i, t in enumerate(["acme", "zeta"] * 5)]
+    trainable = sorted(r.record_id for r in recs if not is_evaluation_record(r.record_id))
+    ensure_topics(s.kafka.bootstrap, s.kafka, 3_600_000)
+    produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in recs])
+    learner = Learner(s)
+    learner.connect()
+    seen = 0
+    for _ in range(200):
+        for m in learner._poll():
+            learner.handle(m)
+            seen += 1
+        if seen == len(recs):
+            break
+    assert seen == len(recs)
+    held = sorted(i.record.record_id for i in learner.buffer.held())
+    assert held == trainable
+    parts = {i.partition for i in learner.buffer.held()}
+    assert parts == {0, 1}, parts
+
+    learner._revoked({0, 1})
+    assert learner.buffer.held() == [] and learner.safe_offsets() == {  # held back while the rebalance runs
+        p: min(i.offset for i in learner.suspended if i.partition == p) for p in (0, 1)}
+    learner._assigned({0, 1})  # both came back, fetch positions kept
+    assert sorted(i.record.record_id for i in learner.buffer.held()) == trainable and learner.suspended == []
+
+    learner._revoked({0, 1})
+    learner._assigned({1})  # partition 0 now belongs to another learner: its records are its to read
+    assert {i.partition for i in learner.buffer.held()} == {1} and 0 not in learner.safe_offsets()
+    learner._revoked({1})
+    learner._assigned({0, 1})  # ... and back again (fresh state for 0: read from the committed offset)
+    learner.consumer.consumer.seek(next(tp for tp in learner.consumer.consumer.assignment() if tp.partition == 0),
+                                   0)  # what the client does for a partition new to this member
+    learner.buffer.max_wait_s = 0.0
+    learner.run(exit_when_idle_s=2.0)
+    ledger = sorted(rid for rid, _ in CheckpointStore(state_dir(s)).ledger())
+    assert ledger == trainable
+    assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
+        log_ends(broker.bootstrap, s.kafka.feedback_topic, len(recs))
