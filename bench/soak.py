@@ -158,7 +158,8 @@ def _final_checks(settings, ep: dict, admin: str, scraper: FeedbackScraper, lear
         if k1 is not None and kafka is not None and k1["committed"] == kafka["committed"]:
             break
         time.sleep(2.0)
-    out = {"records_accounted": checks.records_accounted(scraper.totals(), led, kafka),
+    topic = probe.topic_positions(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic)
+    out = {"records_accounted": checks.records_accounted(scraper.totals(), led, kafka, topic),
            "ledgers_match_offsets": checks.ledgers_match_offsets(
                None if kafka is None else kafka["committed"], led["stored_offsets"],
                sum(led["by_outcome"].values()), broker_restarted)}

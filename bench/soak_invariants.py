@@ -28,22 +28,37 @@ from __future__ import annotations
 STREAM_KINDS = ("stream", "disconnect")
 
 
-def records_accounted(nodes: dict, ledgers: dict, kafka: dict | None) -> dict:
+def records_accounted(nodes: dict, ledgers: dict, kafka: dict | None, topic: dict | None = None) -> dict:
     """``nodes``: {emitted, dropped: {reason: n}, spool_pending}; ``ledgers``: {consumed (distinct
-    record ids), by_outcome}; ``kafka``: {lag, dlq} or None when the broker could not be read."""
+    record ids), by_outcome, ids}; ``kafka``: {committed, lag, dlq} or None when the broker could
+    not be read; ``topic``: ``soak_probe.topic_positions`` (every record the broker kept and the
+    DLQ's sources) or None. Each record in the topic before its partition's committed offset
+    must be in a ledger or the DLQ (``lost_by_learners`` lists the first that are not)."""
     emitted = int(nodes.get("emitted", 0))
     consumed = int(ledgers.get("consumed", 0))
     lag = None if kafka is None else int(kafka.get("lag", 0))
     dlq = 0 if kafka is None else int(kafka.get("dlq", 0))
     pending = int(nodes.get("spool_pending", 0)) + (lag or 0)
     unaccounted = max(0, emitted - consumed - dlq - pending)
-    return {"held": kafka is not None and emitted > 0 and unaccounted == 0,
-            "emitted": emitted, "consumed_once": consumed, "by_outcome": ledgers.get("by_outcome", {}),
-            "dlq": dlq, "pending": pending, "pending_spool": int(nodes.get("spool_pending", 0)),
-            "pending_kafka": lag, "dropped_at_node": dict(sorted(nodes.get("dropped", {}).items())),
-            "submitted": nodes.get("submitted"), "unaccounted": unaccounted,
-            "in_ledgers_not_counted_emitted": max(0, consumed - emitted),
-            "node_processes": nodes.get("processes")}
+    out = {"emitted": emitted, "consumed_once": consumed, "by_outcome": ledgers.get("by_outcome", {}),
+           "dlq": dlq, "pending": pending, "pending_spool": int(nodes.get("spool_pending", 0)),
+           "pending_kafka": lag, "dropped_at_node": dict(sorted(nodes.get("dropped", {}).items())),
+           "submitted": nodes.get("submitted"), "unaccounted": unaccounted,
+           "in_ledgers_not_counted_emitted": max(0, consumed - emitted),
+           "node_processes": nodes.get("processes")}
+    lost: list = []
+    if topic is not None and kafka is not None:
+        ids, committed = ledgers.get("ids", set()), kafka.get("committed", {})
+        recs, sources = topic["records"], topic["dlq_sources"]
+        distinct = {r for r in recs.values() if r is not None}
+        lost = sorted(pos for pos, rid in recs.items() if pos[1] < committed.get(pos[0], 0)
+                      and pos not in sources and (rid is None or rid not in ids))
+        out |= {"in_topic": len(recs), "distinct_in_topic": len(distinct),
+                "sent_twice_to_topic": len(recs) - len(distinct) - sum(1 for r in recs.values() if r is None),
+                "dlq_distinct_sources": len(sources), "lost_by_learners": len(lost),
+                "lost_positions": [list(p) for p in lost[:20]]}
+    out["held"] = kafka is not None and topic is not None and emitted > 0 and unaccounted == 0 and not lost
+    return out
 
 
 def ledgers_match_offsets(committed: dict[int, int] | None, stored: dict[str, dict[int, int]],

@@ -12,6 +12,8 @@
   by outcome), the ``trained`` ledger, and the next offsets it stored per partition.
 - ``kafka_offsets``: the learner group's committed offsets and the end offsets of the
   feedback topic, and the DLQ's length, read before the stack goes down.
+- ``topic_positions``: every record of the feedback topic by position and the source
+  positions the DLQ holds, so each record the broker kept is traced to a ledger or the DLQ.
 - ``fleet_state``: the control plane's nodes (served and desired version), the audit
   chain's verification, and each version's state and aliases in the database and MLflow.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -128,7 +131,7 @@ def ledgers(learner_dirs: list[Path]) -> dict:
     by: dict[str, int] = {}
     for o in outcomes.values():
         by[o] = by.get(o, 0) + 1
-    return {"consumed": len(outcomes), "by_outcome": by, "stored_offsets": stored}
+    return {"consumed": len(outcomes), "by_outcome": by, "stored_offsets": stored, "ids": set(outcomes)}
 
 
 def kafka_offsets(bootstrap: str, topic: str, dlq_topic: str, group: str, timeout_ms: int = 10_000) -> dict | None:
@@ -183,3 +186,45 @@ def fleet_state(settings, api: str, admin: str, mlflow_uri: str) -> dict:
     ml_aliases = {a: reg.alias(a) for a in ("champion", "previous")}
     return {"nodes": nodes, "audit": audit, "db_versions": db_versions, "mlflow_versions": ml_versions,
             "db_aliases": db_aliases, "mlflow_aliases": ml_aliases}
+
+
+def topic_positions(bootstrap: str, topic: str, dlq_topic: str, timeout_s: float = 30.0) -> dict | None:
+    """Every record of the feedback topic by position, and the source positions the DLQ holds:
+    {records: {(partition, offset): record id or None}, dlq_sources: {(partition, offset)}};
+    None when the broker cannot be read to its end within ``timeout_s``."""
+    import json as _json
+
+    from kafka import KafkaConsumer, TopicPartition
+
+    try:
+        c = KafkaConsumer(bootstrap_servers=bootstrap, client_id="adaflash-soak-reader", enable_auto_commit=False,
+                          group_id=None, consumer_timeout_ms=2000)
+    except Exception:  # noqa: BLE001 - unreadable is reported, not raised
+        return None
+    try:
+        tps = [TopicPartition(t, p) for t in (topic, dlq_topic) for p in sorted(c.partitions_for_topic(t) or ())]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        ends = c.end_offsets(tps)
+        records: dict[tuple[int, int], str | None] = {}
+        dlq: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + timeout_s
+        while any(c.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                return None
+            for tp, msgs in c.poll(timeout_ms=1000).items():
+                for m in msgs:
+                    if tp.topic == topic:
+                        try:
+                            records[(m.partition, m.offset)] = _json.loads(m.value)["record_id"]
+                        except (ValueError, KeyError, TypeError):
+                            records[(m.partition, m.offset)] = None
+                    else:
+                        h = {k: v.decode() for k, v in (m.headers or [])}
+                        if h.get("source_topic") == topic:
+                            dlq.add((int(h["source_partition"]), int(h["source_offset"])))
+        return {"records": records, "dlq_sources": dlq}
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        c.close()

@@ -67,20 +67,27 @@ def test_corrupted_candidate_must_be_refused_and_never_served(tmp_path):
 
 # --- records, offsets, the fleet's end state, streams (bench/soak_invariants.py) ---------------------
 NODES = {"emitted": 10, "dropped": {"scrub_timeout": 2, "sampled_out": 3}, "spool_pending": 1}
-LEDGERS = {"consumed": 7, "by_outcome": {"trained": 6, "expired": 1}}
+LEDGERS = {"consumed": 7, "by_outcome": {"trained": 6, "expired": 1}, "ids": {f"r{i}" for i in range(7)}}
+# the topic as the broker kept it: r0..r6 at partition 0 offsets 0..6, r7 at 7 went to the DLQ, one unread at 8
+TOPIC = {"records": {(0, i): f"r{i}" for i in range(9)}, "dlq_sources": {(0, 7)}}
+KAFKA = {"lag": 1, "dlq": 1, "committed": {0: 8}}
 
 
 def test_records_accounted_holds_when_every_emitted_record_is_somewhere():
-    r = records_accounted(NODES, LEDGERS, {"lag": 1, "dlq": 1})
-    assert r["held"] and r["unaccounted"] == 0 and r["pending"] == 2, r
+    r = records_accounted(NODES, LEDGERS, KAFKA, TOPIC)
+    assert r["held"] and r["unaccounted"] == 0 and r["pending"] == 2 and r["lost_by_learners"] == 0, r
     assert r["dropped_at_node"] == {"sampled_out": 3, "scrub_timeout": 2}
 
 
 def test_records_accounted_fails_on_a_lost_record_an_unread_broker_or_no_feedback():
-    lost = records_accounted(NODES, LEDGERS, {"lag": 0, "dlq": 1})
-    assert not lost["held"] and lost["unaccounted"] == 1
-    assert not records_accounted(NODES, LEDGERS, None)["held"]
-    assert not records_accounted({"emitted": 0}, {"consumed": 0}, {"lag": 0, "dlq": 0})["held"]
+    lost = records_accounted(NODES, LEDGERS, {"lag": 0, "dlq": 1, "committed": {0: 9}}, TOPIC)
+    assert not lost["held"] and lost["unaccounted"] == 1 and lost["lost_positions"] == [[0, 8]]
+    # a record the learners committed past, in no ledger and not in the DLQ, is lost even when the counts add up
+    gone = records_accounted({**NODES, "emitted": 9}, {**LEDGERS, "ids": LEDGERS["ids"] - {"r3"}}, KAFKA, TOPIC)
+    assert not gone["held"] and gone["unaccounted"] == 0 and gone["lost_positions"] == [[0, 3]]
+    assert not records_accounted(NODES, LEDGERS, None, TOPIC)["held"]
+    assert not records_accounted(NODES, LEDGERS, KAFKA, None)["held"]  # the topic could not be read
+    assert not records_accounted({"emitted": 0}, {"consumed": 0}, {"lag": 0, "dlq": 0}, TOPIC)["held"]
 
 
 def test_scraper_sums_the_largest_counts_of_each_node_process():
