@@ -150,7 +150,6 @@ def test_admin_lists_the_requests_in_flight(server):
                                                                            "generating")]
         assert listed[0]["id"].startswith("chatcmpl-") and listed[0]["choices"][0]["engine_status"] in (
             "running", "finished")
-        for _ in lines:
-            pass
+        list(lines)  # read the stream to its end
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60).status_code == 200
     assert httpx.get(f"{url}/admin/requests", headers=auth).json()["requests"] == []
