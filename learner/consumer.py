@@ -68,9 +68,16 @@ class FeedbackConsumer:
             # fresh metadata within seconds, so a topic created again (broker restarted empty) is noticed
             metadata_max_age_ms=cfg.metadata_max_age_ms)
         self.consumer.subscribe([self.topic], listener=_Rebalance(self))
-        self.producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", retries=5,
-                                      max_in_flight_requests_per_connection=1, client_id=client_id + "-dlq")
+        self._bootstrap, self._client_id = kafka.bootstrap, client_id
+        self.producer = self._dlq_producer()
         self._dlq_pending: list[tuple[bytes | None, bytes, list, object]] = []  # (key, value, headers, future)
+
+    def _dlq_producer(self) -> KafkaProducer:
+        # Not idempotent (kafka-python 3 turns idempotence on by default): an idempotent
+        # producer never recovers from a broker that came back empty (every send fails on
+        # InitProducerId), and one request in flight keeps retries in order without it.
+        return KafkaProducer(bootstrap_servers=self._bootstrap, acks="all", retries=5, enable_idempotence=False,
+                             max_in_flight_requests_per_connection=1, client_id=self._client_id + "-dlq")
 
     def poll(self, timeout_ms: int) -> list:
         batches = self.consumer.poll(timeout_ms=timeout_ms)
@@ -122,10 +129,23 @@ class FeedbackConsumer:
                 return
             if stop is not None and stop.is_set():
                 raise failed[0][3]
-            log.warning("%d DLQ messages not acknowledged (%s); sending them again", len(failed),
-                        type(failed[0][3]).__name__)
+            log.warning("%d DLQ messages not acknowledged (%s); sending them again with a new producer",
+                        len(failed), type(failed[0][3]).__name__)
             time.sleep(retry_s)
+            self._renew_producer()  # a producer left in a fatal state fails every send after it
             self._dlq_pending = [(k, v, h, self._send_dlq(k, v, h)) for k, v, h, _ in failed]
+
+    def _renew_producer(self) -> None:
+        old = self.producer
+        try:
+            self.producer = self._dlq_producer()
+        except KafkaError as e:  # broker still away: keep the old one and try again next round
+            log.warning("cannot make a new DLQ producer yet: %s", type(e).__name__)
+            return
+        try:
+            old.close(timeout=0)
+        except Exception:  # noqa: BLE001 - already broken
+            pass
 
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit the group's offsets. A commit refused because a rebalance moved the

@@ -4,7 +4,10 @@ A real Tansu broker (memory storage: after a restart every topic, offset and gro
 gone) is killed while the learner runs, once between steps and once with records held in
 its replay buffer, and restarted on the same port. Producers re-send some records they
 had sent before (a node's spool replaying). The learner keeps running, re-creates its
-topics, and its checkpoint ledger ends with every record exactly once.
+topics, and its checkpoint ledger ends with every record exactly once. A record that is
+not JSON goes to the DLQ before and after the restart: the learner's DLQ producer must
+come through the restart too (an idempotent one never does, and the learner then waited
+for its acknowledgements for ever).
 """
 
 from __future__ import annotations
@@ -60,6 +63,24 @@ def _produce_retrying(bootstrap: str, topic: str, records) -> None:
             time.sleep(0.5)
 
 
+def consume_values(bootstrap: str, topic: str, expect: int, timeout_s: float = 30.0) -> list[bytes]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
+    try:
+        parts = c.partitions_for_topic(topic) or {0}
+        c.assign([TopicPartition(topic, p) for p in parts])
+        c.seek_to_beginning()
+        out: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < expect and time.monotonic() < deadline:
+            for msgs in c.poll(timeout_ms=200).values():
+                out += [m.value for m in msgs]
+        return out
+    finally:
+        c.close()
+
+
 def test_learner_survives_broker_kill_and_empty_restart(tmp_path, target_dir, drafter_dir):
     from learner.service import Learner
 
@@ -90,8 +111,10 @@ def test_learner_survives_broker_kill_and_empty_restart(tmp_path, target_dir, dr
         _wait(lambda: made or errors, 120, "the learner started")
         learner = made[0]
         first = [make_record(tenant=["acme", "beta"][i % 2], response=f"first answer {i}.") for i in range(8)]
-        produce(broker.bootstrap, kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in first])
+        produce(broker.bootstrap, kafka.feedback_topic,
+                [(r.tenant_id, r.to_bytes()) for r in first] + [("acme", b"not a record")])
         _wait(lambda: len(_ledger(state)) == 8, 120, "the first 8 records trained")
+        _wait(lambda: learner.counters["dlq:bad_schema"] >= 1, 60, "the bad record in the DLQ")
 
         # 1. kill -9 between steps; restarted empty; a node re-sends 3 old records and 4 new ones
         broker.kill()
@@ -99,7 +122,10 @@ def test_learner_survives_broker_kill_and_empty_restart(tmp_path, target_dir, dr
         broker.start()
         second = [make_record(tenant=["acme", "beta"][i % 2], response=f"second answer {i}.") for i in range(4)]
         _produce_retrying(broker.bootstrap, kafka.feedback_topic, first[:3] + second)
+        produce(broker.bootstrap, kafka.feedback_topic, [("beta", b"not a record either")])
         _wait(lambda: len(_ledger(state)) == 12, 180, "the second batch trained after the restart")
+        dlq = consume_values(broker.bootstrap, kafka.dlq_topic, 1)
+        assert dlq == [b"not a record either"], dlq  # the DLQ of the new log has the new bad record
         assert thread.is_alive() and not errors, errors
 
         # 2. kill -9 while records wait in the replay buffer (2 of 4: no step yet)
