@@ -110,6 +110,12 @@ class KafkaConfig(BaseModel):
     max_block_ms: int = 5000
     # Recreate the topics after a reconnect (embedded Tansu forgets them on restart).
     ensure_topics: bool = True
+    # A broker that comes back empty (the topic has a new id) lost what it had acknowledged
+    # and no consumer may have read yet: the producer sends again the records it had
+    # acknowledged within the last replay_window_s (at most replay_window_records); the
+    # consumers de-duplicate by record_id. 0 records: no replay.
+    replay_window_s: float = Field(default=900.0, gt=0.0)
+    replay_window_records: int = Field(default=20_000, ge=0)
 
 
 class GovernanceConfig(BaseModel):

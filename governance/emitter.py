@@ -88,6 +88,9 @@ class _Metrics:
                                    "Records in the local spool (broker unreachable or behind)", registry=self.registry)
         self.held_records = Gauge("adaflash_feedback_held_records",
                                   "Records waiting for their tenant's policy", registry=self.registry)
+        self.resent_after_reset = Gauge("adaflash_feedback_resent_after_broker_reset",
+                                        "Acknowledged records sent again because the broker came back empty",
+                                        registry=self.registry)
 
 
 class FeedbackEmitter:
@@ -125,6 +128,9 @@ class FeedbackEmitter:
         spool = getattr(sink, "spool", None)
         if spool is not None:
             self.metrics.spool_records.set_function(lambda: len(spool))
+        counters = getattr(sink, "counters", None)
+        if isinstance(counters, dict):
+            self.metrics.resent_after_reset.set_function(lambda: counters.get("resent_after_reset", 0))
         # Scrubbing runs on its own threads so a hung scrub can be abandoned: the worker
         # stops waiting after scrub_timeout_s. A bounded pool keeps hung scrubs bounded.
         self._scrub_pool = ThreadPoolExecutor(max_workers=2 * self.n_workers, thread_name_prefix="scrub")

@@ -19,6 +19,17 @@ the spool (oldest first) before taking new records, and when a batch fails, the 
 records and every record behind them go to the spool in order. So a tenant's records
 reach the broker in the order they were handed to ``send`` (bar records whose
 acknowledgement was lost, which are then delivered twice).
+
+A broker that comes back empty (Tansu's memory storage; a cluster rebuilt) forgets what it
+had acknowledged, and what no consumer had read by then is lost unless someone sends it
+again. The producer keeps the records acknowledged within ``kafka.replay_window_s`` (at
+most ``replay_window_records``, in memory) with the topic's id at the time, watches that
+id in its cluster metadata (a topic created again gets a new id; looked at after every
+batch and every ``RESET_CHECK_S`` while records are kept), and on a change puts the kept
+records of the old topic back at the front of the spool, in their order, to be sent again
+before anything newer. Consumers see some of them
+twice and de-duplicate by ``record_id``, as for any replay. Records acknowledged before
+the node itself restarted are not kept.
 """
 
 from __future__ import annotations
@@ -27,17 +38,30 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from adaflash.config import KafkaConfig
 from adaflash.contracts import FEEDBACK_SCHEMA_VERSION, HEADER_SCHEMA_VERSION, HEADER_TRACEPARENT
+from adaflash.contracts.feedback import FeedbackRecord
 from governance.pii import ScrubbedRecord
 from governance.spool import Spool, SpoolEntry
 
 log = logging.getLogger(__name__)
 
 REASON_BACKLOG = "producer_backlog"
+RESET_CHECK_S = 2.0  # how often the topic's id is looked at while acknowledged records are kept
+
+
+@dataclass(frozen=True)
+class _Acked:
+    """A record the broker acknowledged, kept for a replay should the broker lose it."""
+    at: float  # time.monotonic() of the acknowledgement
+    tenant_id: str
+    topic_id: object  # the topic's id when it was acknowledged (None: not known yet)
+    value: bytes
+    traceparent: str | None
 
 
 @dataclass
@@ -98,7 +122,11 @@ class FeedbackProducer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {"sent": 0, "replayed": 0, "spooled": 0, "failed_batches": 0,
-                                         "connects": 0, "connect_failures": 0, REASON_BACKLOG: 0}
+                                         "connects": 0, "connect_failures": 0, REASON_BACKLOG: 0,
+                                         "broker_resets": 0, "resent_after_reset": 0}
+        self._acked: deque[_Acked] = deque(maxlen=max(1, self.kafka.replay_window_records))
+        self._topic_id = None  # the feedback topic's id as last seen in the cluster metadata
+        self._last_reset_check = 0.0
         self._thread = threading.Thread(target=self._run, name="feedback-producer", daemon=True)
         if start:
             self._thread.start()
@@ -157,6 +185,8 @@ class FeedbackProducer:
             self._q.not_full.notify_all()
         if n:
             self._resolved(n)
+        with self._lock:  # and what a broker reset would send again
+            self._acked = deque((a for a in self._acked if a.tenant_id != tenant_id), maxlen=self._acked.maxlen)
         return n
 
     def stats(self) -> dict[str, int | bool]:
@@ -208,12 +238,17 @@ class FeedbackProducer:
                 self._ensure_topics()
             self._kp = self._factory()
             self.counters["connects"] += 1
-            return True
         except Exception as e:  # noqa: BLE001 - broker unreachable
             self.counters["connect_failures"] += 1
             log.debug("broker unreachable: %s", type(e).__name__)
             self._kp = None
             return False
+        try:  # learn the topic's id before sending: records the broker lost go out first
+            self._kp.partitions_for(self.topic)
+            self._check_reset(force=True)
+        except Exception as e:  # noqa: BLE001 - not known yet: the first batch looks again
+            log.debug("topic metadata not known yet: %s", type(e).__name__)
+        return True
 
     def _disconnect(self) -> None:
         # close(timeout=0) aborts what the old producer still holds: those records are
@@ -271,7 +306,56 @@ class FeedbackProducer:
                 ok += 1
             else:
                 break
+        if ok:
+            self._check_reset(force=True)
+            self._keep_acked(items[:ok])
         return ok
+
+    # -- replay after a broker that came back empty ---------------------------------------
+    def _keep_acked(self, items) -> None:
+        if self.kafka.replay_window_records == 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._acked.extend(_Acked(now, it.tenant_id, self._topic_id, it.value, it.traceparent) for it in items)
+            horizon = now - self.kafka.replay_window_s
+            while self._acked and self._acked[0].at < horizon:
+                self._acked.popleft()
+
+    def _check_reset(self, force: bool = False) -> None:
+        """Look at the topic's id in the producer's metadata; a new id means the broker lost
+        its log: the records acknowledged under the old id go back into the spool."""
+        now = time.monotonic()
+        if self._kp is None or not (force or now - self._last_reset_check >= RESET_CHECK_S):
+            return
+        self._last_reset_check = now
+        try:
+            cluster = self._kp._metadata  # kafka-python's ClusterMetadata
+            tid = cluster.topic_id(self.topic)
+            if not force:
+                cluster.request_update()  # fetched by the producer's own I/O thread
+        except Exception:  # noqa: BLE001 - another client library, or closed
+            return
+        if tid is None or tid == self._topic_id:
+            return
+        old, self._topic_id = self._topic_id, tid
+        with self._lock:
+            if old is None:  # the first id seen: records acknowledged before it was known were under it
+                self._acked = deque((a if a.topic_id is not None else
+                                     _Acked(a.at, a.tenant_id, tid, a.value, a.traceparent) for a in self._acked),
+                                    maxlen=self._acked.maxlen)
+                return
+            lost = [a for a in self._acked if a.topic_id != tid]
+            self._acked = deque((a for a in self._acked if a.topic_id == tid), maxlen=self._acked.maxlen)
+        self.counters["broker_resets"] += 1
+        if lost:
+            # ahead of what the spool holds: those came after them (the sender keeps order)
+            stored = self.spool.append_many(((ScrubbedRecord(FeedbackRecord.from_bytes(a.value)), a.traceparent)
+                                             for a in lost), front=True)
+            self.counters["resent_after_reset"] += stored
+        log.warning("feedback topic %s has a new id: the broker came back empty; %d records it had "
+                    "acknowledged in the last %.0f s go out again", self.topic, len(lost),
+                    self.kafka.replay_window_s)
 
     def _run(self) -> None:
         backoff = self.backoff_min
@@ -308,6 +392,8 @@ class FeedbackProducer:
             try:
                 first = self._q.get(timeout=0.1)
             except queue.Empty:
+                if self._acked:
+                    self._check_reset()
                 continue
             batch = [first]
             while len(batch) < self.batch_size:

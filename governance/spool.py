@@ -95,8 +95,10 @@ class Spool:
         """Store one record; False if refused (full, ``refuse`` policy)."""
         return self.append_many([(record, traceparent)]) == 1
 
-    def append_many(self, items: Iterable[tuple[ScrubbedRecord, str | None]]) -> int:
-        """Store records in order, in one transaction; returns how many were stored."""
+    def append_many(self, items: Iterable[tuple[ScrubbedRecord, str | None]], front: bool = False) -> int:
+        """Store records in order, in one transaction; returns how many were stored.
+
+        ``front``: ahead of every record held (records older than those, sent again)."""
         rows = []
         deleted: list[str] = []
         now = time.time()
@@ -125,8 +127,13 @@ class Spool:
             cur = self._db.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
-                cur.executemany("INSERT INTO spool(tenant_id, record_id, value, traceparent, spooled_at) "
-                                "VALUES (?,?,?,?,?)", rows)
+                if front:  # explicit keys below the oldest; AUTOINCREMENT only governs the ones it picks
+                    first = cur.execute("SELECT COALESCE(MIN(seq), 1) FROM spool").fetchone()[0] - len(rows)
+                    cur.executemany("INSERT INTO spool(seq, tenant_id, record_id, value, traceparent, spooled_at) "
+                                    "VALUES (?,?,?,?,?,?)", [(first + i, *r) for i, r in enumerate(rows)])
+                else:
+                    cur.executemany("INSERT INTO spool(tenant_id, record_id, value, traceparent, spooled_at) "
+                                    "VALUES (?,?,?,?,?)", rows)
                 excess = self._count + len(rows) - self.max_records
                 if excess > 0:
                     old = cur.execute("SELECT seq, tenant_id FROM spool ORDER BY seq LIMIT ?", (excess,)).fetchall()

@@ -1,10 +1,9 @@
 """Broker outage against the real broker: stop Tansu mid-stream, keep submitting, restart
 it on the same port; every submitted record arrives exactly once after record_id de-dup.
 
-Tansu's memory storage forgets topics and data on restart, so (like the learner would)
-a consumer reads continuously and the test lets it catch up before pulling the plug:
-records the broker acknowledged and then forgot are the broker's loss, not the node's.
-The producer recreates the topics itself after reconnecting.
+Tansu's memory storage forgets topics and data on restart. The producer recreates the
+topics itself after reconnecting, and sends again what the broker had acknowledged and
+then forgot (it sees the topic's new id), ahead of what it spooled during the outage.
 """
 
 import threading
@@ -124,13 +123,16 @@ def test_outage_every_record_arrives_exactly_once(fresh_broker, tmp_path):
 
     assert during > 100, during
     assert max(blocked) < 0.05  # submit never waited on the broker
+    # the new log: the records acknowledged before the restart, sent again, then the rest
     post = [FeedbackRecord.from_bytes(m.value) for m in consume(b.bootstrap, kc.feedback_topic,
-                                                                 expect=len(submitted) - before)]
+                                                                 expect=len(submitted))]
     seen = pre + [r.record_id for r in post]
     missing = set(submitted) - set(seen)
     assert not missing, f"{len(missing)} of {len(submitted)} records lost; {stats}"
     assert len(set(seen)) == len(submitted) and set(seen) == set(submitted)  # exactly once after de-dup
     assert stats["spooled"] > 0 and stats["replayed"] > 0
+    assert stats["broker_resets"] == 1 and stats["resent_after_reset"] == before, stats
+    assert {r.record_id for r in post} == set(submitted)  # the new log alone has every record
     assert em.counters()["dropped"] == {}
     # per-tenant order of first arrival follows submission order
     order: dict[str, list[int]] = {}
@@ -139,3 +141,42 @@ def test_outage_every_record_arrives_exactly_once(fresh_broker, tmp_path):
     for tenant, seq in order.items():
         firsts = list(dict.fromkeys(seq))
         assert firsts == sorted(firsts), tenant
+
+
+def test_a_broker_that_came_back_empty_gets_the_acknowledged_records_again(fresh_broker, tmp_path):
+    """Records the broker acknowledged, then lost in a restart before anyone read them, are
+    sent again by the producer; here the topics are re-created by someone else first (as a
+    learner would), so the producer sees no outage of its own, only the topic's new id."""
+    from governance.broker import ensure_topics
+
+    b = fresh_broker
+    kc = kafka_config(b.bootstrap)
+    spool = Spool(tmp_path / "spool.db", 10_000)
+    producer = FeedbackProducer(b.bootstrap, spool, kc, retention_ms=3_600_000, backoff_s=(0.1, 0.5))
+    try:
+        first = [make_record(tenant=f"t{i % 3}", request_id=str(i)) for i in range(30)]
+        for rec in first:
+            assert producer.send(ScrubbedRecord(rec))
+        assert producer.flush(20)
+        assert len(consume(b.bootstrap, kc.feedback_topic, expect=30)) == 30
+        b.stop()
+        b.start()  # same port, empty
+        ensure_topics(b.bootstrap, kc, 3_600_000)
+        deadline = time.monotonic() + 30  # noticed while idle, from the metadata
+        while time.monotonic() < deadline and producer.stats()["broker_resets"] == 0:
+            time.sleep(0.2)
+        assert producer.stats()["broker_resets"] == 1, producer.stats()
+        later = [make_record(tenant=f"t{i % 3}", request_id=str(i)) for i in range(30, 40)]
+        for rec in later:
+            assert producer.send(ScrubbedRecord(rec))
+        assert producer.flush(30), producer.stats()
+        got = [FeedbackRecord.from_bytes(m.value) for m in consume(b.bootstrap, kc.feedback_topic, expect=40)]
+        assert [r.record_id for r in got if r.record_id in {x.record_id for x in first}]  # sent again
+        assert sorted(r.record_id for r in got) == sorted(r.record_id for r in first + later)  # once each
+        assert producer.stats()["resent_after_reset"] == 30
+        for tenant in ("t0", "t1", "t2"):  # each tenant's records in the order they were sent
+            ids = [int(r.request_id) for r in got if r.tenant_id == tenant]
+            assert ids == sorted(ids), (tenant, ids)
+    finally:
+        producer.close()
+        spool.close()
