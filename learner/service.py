@@ -246,6 +246,7 @@ class Learner:
             return self._count("deleted")
         if self.store.seen(record.record_id):
             log.info("record %s at %s/%s already trained: skipped", record.record_id, msg.partition, msg.offset)
+            self.dirty = True  # offsets may move past it (a record sent again)
             return self._count("already_trained")
         try:
             tok = self.supervisor.tokenize(record)

@@ -115,6 +115,15 @@ def test_consume_train_checkpoint_commit_publish_and_dlq(tmp_path, broker, targe
     store2 = CheckpointStore(state_dir(s))
     assert len(store2.ledger()) == len(good)
 
+    # records sent again (a producer's replay) are skipped, and the offsets move past them
+    produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in good[:2]])
+    third = Learner(s)
+    assert third.run(exit_when_idle_s=2.0) == 0
+    assert third.counters["already_trained"] == 2
+    assert len(CheckpointStore(state_dir(s)).ledger()) == len(good)
+    assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
+        log_ends(broker.bootstrap, s.kafka.feedback_topic, len(good) + len(bad) + 2)
+
 
 def test_a_rebalance_that_hands_a_partition_back_loses_none_of_its_held_records(tmp_path, broker, target_dir,
                                                                                  drafter_dir):
