@@ -144,11 +144,26 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _learners_catch_up(ep: dict, k, within_s: float) -> dict:
+    """After the traffic: the group's lag on the feedback topic must reach 0 within ``within_s``
+    (a partial buffer trains after learner.max_wait_s). A learner that stopped consuming
+    leaves its records pending for ever, which the records count alone would call accounted."""
+    t0 = time.monotonic()
+    first = last = probe.kafka_offsets(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic, k.consumer_group)
+    while time.monotonic() - t0 < within_s and (last is None or last["lag"] > 0):
+        time.sleep(2.0)
+        last = probe.kafka_offsets(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic, k.consumer_group)
+    lag = None if last is None else last["lag"]
+    return {"held": lag == 0, "lag_when_traffic_stopped": None if first is None else first["lag"],
+            "lag": lag, "waited_s": round(time.monotonic() - t0, 1), "within_s": within_s}
+
+
 def _final_checks(settings, ep: dict, admin: str, scraper: FeedbackScraper, learner_dirs: list[Path],
                   broker_restarted: bool, wait_s: float = 60.0) -> dict:
     """The records, offsets and fleet invariants, read while the stack still runs. The fleet is
     given ``wait_s`` to converge (a node picking up a new champion, MLflow mirroring a state)."""
     k = settings.kafka
+    caught_up = _learners_catch_up(ep, k, max(60.0, settings.learner.max_wait_s + 30.0))
     scraper.stop()
     kafka = led = None
     for _ in range(5):  # a snapshot of the ledgers between two equal reads of the group's offsets
@@ -159,7 +174,8 @@ def _final_checks(settings, ep: dict, admin: str, scraper: FeedbackScraper, lear
             break
         time.sleep(2.0)
     topic = probe.topic_positions(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic)
-    out = {"records_accounted": checks.records_accounted(scraper.totals(), led, kafka, topic),
+    out = {"learners_caught_up": caught_up,
+           "records_accounted": checks.records_accounted(scraper.totals(), led, kafka, topic),
            "ledgers_match_offsets": checks.ledgers_match_offsets(
                None if kafka is None else kafka["committed"], led["stored_offsets"],
                sum(led["by_outcome"].values()), broker_restarted)}
@@ -193,9 +209,11 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
             cp.set_tenant_policy(FLOOD_TENANT, max_queued=FLOOD_MAX_QUEUED, max_tokens=FLOOD_MAX_TOKENS)
     traffic = Traffic(ep["dataplane_urls"], tenants, concurrency, load_prompts(), flood_threads=4 if flood else 0,
                       node_admin_token=admin)  # the fleet's nodes take the stack's admin key (stack/plan.py)
-    inj = Injector(settings, traffic.now, admin)
-    scraper = FeedbackScraper(settings, ep["dataplane_urls"])
     duration = minutes * 60.0
+    # a rollback waiting for a promotion gives up with a twentieth of the run (at least 5 s)
+    # left; the fleet converges on the version it went back to (fleet_converged allows 60 s more)
+    inj = Injector(settings, traffic.now, admin, rollback_by=duration - max(5.0, duration / 20))
+    scraper = FeedbackScraper(settings, ep["dataplane_urls"])
     traffic.start()
     scraper.start()
     try:

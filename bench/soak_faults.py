@@ -6,8 +6,11 @@
   then continued: scrubbing times out, records are dropped and counted, serving goes on.
 - corrupt: a candidate drafter whose weights do not match its manifest is registered in
   MLflow (as the learner registers one); it must be refused and never served.
-- rollback: an operator rollback of the champion (one admin API call), when there is a
-  previous champion to go back to; recorded as skipped otherwise.
+- rollback: an operator rollback (one admin API call) of the champion when there is a
+  previous one to go back to, else of a canary in flight, which gives way to the champion
+  it was replacing (a first promotion has no previous champion). With neither yet, it waits
+  for one (until ``rollback_by``, the run's time by which the fleet still has room to
+  converge); recorded as skipped when none came.
 
 Each fault is a record: what, when, and how long until the part was ready again.
 """
@@ -37,8 +40,8 @@ class Fault:
 
 
 class Injector:
-    def __init__(self, settings, now, admin_token: str, hang_s: float = 10.0):
-        self.settings, self.now, self.hang_s = settings, now, hang_s
+    def __init__(self, settings, now, admin_token: str, hang_s: float = 10.0, rollback_by: float = float("inf")):
+        self.settings, self.now, self.hang_s, self.rollback_by = settings, now, hang_s, rollback_by
         self.admin = admin_token
         self.faults: list[Fault] = []
         self.corrupted: list[str] = []  # versions registered with corrupted weights
@@ -114,17 +117,41 @@ class Injector:
         self._threads.append(t)
 
     def _rollback(self, f: Fault) -> None:
+        t = threading.Thread(target=self._rollback_when_promoted, args=(f,), daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _rollback_when_promoted(self, f: Fault, poll_s: float = 1.0) -> None:
+        """Roll back as soon as there is something to go back to: the champion when there is a
+        previous one, else a canary in flight (it gives way to the champion it was replacing).
+        ``f.t`` is when it happened."""
         ep = self._state().get("endpoints", {})
         api, hdr = ep["controlplane_api"], {"Authorization": f"Bearer {self.admin}"}
-        versions = httpx.get(f"{api}/versions", headers=hdr, timeout=10).json()
-        champ = next((v["version"] for v in versions if "champion" in (v.get("aliases") or [])), None)
-        prev = next((v["version"] for v in versions if "previous" in (v.get("aliases") or [])), None)
-        if champ is None or prev is None:
-            f.detail = f"skipped: champion {champ}, no previous champion to roll back to"
-            return
-        r = httpx.post(f"{api}/versions/{champ}/rollback", headers=hdr, json={"reason": "soak: operator rollback"},
-                       timeout=30)
-        f.ok, f.detail = r.status_code < 300, f"rollback of {champ}: HTTP {r.status_code}"
+        asked = f.t
+        while True:
+            try:
+                versions = httpx.get(f"{api}/versions", headers=hdr, timeout=10).json()
+            except httpx.HTTPError:  # the control plane may be the part just killed
+                versions = []
+            champ = next((v["version"] for v in versions if "champion" in (v.get("aliases") or [])), None)
+            prev = next((v["version"] for v in versions if "previous" in (v.get("aliases") or [])), None)
+            canary = next((v["version"] for v in versions if v.get("state") == "canary"), None)
+            target = canary if canary is not None and champ is not None else (champ if prev is not None else None)
+            if target is not None:
+                f.t = self.now()
+                r = httpx.post(f"{api}/versions/{target}/rollback", headers=hdr,
+                               json={"reason": "soak: operator rollback"}, timeout=30)
+                if r.status_code < 300:
+                    waited = f" (waited {f.t - asked:.0f}s for a promotion)" if f.t - asked >= 1 else ""
+                    back_to = champ if target == canary else prev
+                    f.ok, f.detail = True, f"rollback of {target} to {back_to}: HTTP {r.status_code}{waited}"
+                    return
+                f.detail = f"rollback of {target}: HTTP {r.status_code} {r.text[:200]}"  # raced a rollout: again
+            if self.now() + poll_s > self.rollback_by:
+                f.detail = (f.detail or f"skipped: champion {champ}, nothing to roll back to") + \
+                    f" (gave up at t={self.rollback_by:.0f}s)"
+                return
+            time.sleep(poll_s)
 
     def _corrupt_candidate(self, f: Fault) -> None:
         import hashlib
@@ -143,7 +170,8 @@ class Injector:
         pub._registered_model()
         with tempfile.TemporaryDirectory(prefix="soak-corrupt-") as tmp:
             bundle = Path(tmp) / DRAFTER_ARTIFACT_DIR
-            shutil.copytree(STARTER_DIR, bundle)
+            # the drafter the nodes serve (for their target), so only the corruption can refuse it
+            shutil.copytree(Path(self.settings.dataplane.drafter or STARTER_DIR), bundle)
             weights = bundle / "model.safetensors"
             data = bytearray(weights.read_bytes())
             mid = len(data) // 2

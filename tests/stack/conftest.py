@@ -73,6 +73,20 @@ def tiny_env(home: Path, target: Path, bundle: Path | None, **extra: str) -> dic
     return env
 
 
+def loop_env(home: Path, target: Path, bundle: Path, policy: Path, **extra: str) -> dict[str, str]:
+    """``tiny_env`` for a whole loop: the gate policy file ``policy``, quick control-plane passes,
+    a learner that trains and publishes small steps soon; ``extra`` wins."""
+    from dataplane.target_cache import target_identity
+
+    loop = {"ADAFLASH_STACK__GATE_POLICY": str(policy), "ADAFLASH_CONTROLPLANE__WORKER_INTERVAL_S": "1",
+            "ADAFLASH_CONTROLPLANE__SHADOW_INTERVAL_S": "3", "ADAFLASH_MODEL__TARGET_ID": target_identity(target)["id"],
+            "ADAFLASH_LEARNER__BUFFER_SIZE": "16", "ADAFLASH_LEARNER__MAX_WAIT_S": "5",
+            "ADAFLASH_LEARNER__ANCHORS_PER_RECORD": "2", "ADAFLASH_LEARNER__EPOCHS": "1",
+            "ADAFLASH_LEARNER__PUBLISH_EVERY": "1", "ADAFLASH_LEARNER__MAX_RECORD_TOKENS": "400",
+            "ADAFLASH_LEARNER__POLL_TIMEOUT_MS": "200", "ADAFLASH_GOVERNANCE__POLICY_TTL_S": "1"}
+    return tiny_env(home, target, bundle, **{**loop, **extra})
+
+
 def adaflash(env: dict, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "adaflash.cli", *args], env=env, cwd=str(ROOT), capture_output=True,
                        text=True, timeout=timeout)

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.stack.conftest import adaflash, log_tails, status, tiny_env
+from tests.stack.conftest import adaflash, log_tails, loop_env, status
 
 pytestmark = pytest.mark.services
 
@@ -84,13 +84,7 @@ def loop(tmp_path_factory, tiny_vocab_target, tiny_bundle):
     home = tmp_path_factory.mktemp("loop-home")
     policy = home / "test-policy.yaml"
     policy.write_text(POLICY)
-    env = tiny_env(home, tiny_vocab_target, tiny_bundle, ADAFLASH_STACK__GATE_POLICY=str(policy),
-                   ADAFLASH_CONTROLPLANE__WORKER_INTERVAL_S="1", ADAFLASH_CONTROLPLANE__SHADOW_INTERVAL_S="3",
-                   ADAFLASH_MODEL__TARGET_ID=target_identity(tiny_vocab_target)["id"],
-                   ADAFLASH_LEARNER__BUFFER_SIZE="16", ADAFLASH_LEARNER__MAX_WAIT_S="5",
-                   ADAFLASH_LEARNER__ANCHORS_PER_RECORD="2", ADAFLASH_LEARNER__EPOCHS="1",
-                   ADAFLASH_LEARNER__PUBLISH_EVERY="1", ADAFLASH_LEARNER__MAX_RECORD_TOKENS="400",
-                   ADAFLASH_LEARNER__POLL_TIMEOUT_MS="200", ADAFLASH_GOVERNANCE__POLICY_TTL_S="1")
+    env = loop_env(home, tiny_vocab_target, tiny_bundle, policy)
     r = adaflash(env, "up", "--detach", "--random-ports", "--json", timeout=600, check=False)
     if r.returncode != 0:
         raise AssertionError(f"up failed: {r.stderr[-2000:]}\n{log_tails(home)}")
