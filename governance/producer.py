@@ -27,9 +27,8 @@ most ``replay_window_records``, in memory) with the topic's id at the time, watc
 id in its cluster metadata (a topic created again gets a new id; looked at after every
 batch and every ``RESET_CHECK_S`` while records are kept), and on a change puts the kept
 records of the old topic back at the front of the spool, in their order, to be sent again
-before anything newer. Consumers see some of them
-twice and de-duplicate by ``record_id``, as for any replay. Records acknowledged before
-the node itself restarted are not kept.
+before anything newer. Consumers see some of them twice and de-duplicate by ``record_id``,
+as for any replay. Records acknowledged before the node itself restarted are not kept.
 """
 
 from __future__ import annotations
