@@ -193,9 +193,10 @@ class LearnerConfig(BaseModel):
     supervise_chunk_tokens: int = 4096  # target tokens per packed supervision forward
     keep_checkpoints: int = 2
     seed: int = 0
-    # Deletion requests: the learner polls the control plane for them (empty URL: it does
-    # not, and deletions wait for its ack). Its API key (role learner) comes from this env
-    # var, else this file. learner_id names it in acknowledgements.
+    # Deletion requests and record claims: the learner polls the control plane for the
+    # former and claims the records it trains (learner/claims.py); empty URL: neither, and
+    # deletions wait for its ack. Its API key (role learner) comes from this env var, else
+    # this file. learner_id names it in acknowledgements and claims.
     controlplane_url: str = ""
     controlplane_token_env: str = "ADAFLASH_LEARNER_TOKEN"
     controlplane_token_file: str = ""
@@ -273,6 +274,11 @@ class ControlplaneConfig(BaseModel):
     # broker that restarts empty does not empty the window.
     eval_window_persist: bool = True
     eval_window_max_records: int = 10_000
+    # Learners' record claims (controlplane/claims.py): a claim not reported trained lapses
+    # after claim_lease_s; claims are forgotten after claim_retention_s (longer than the
+    # producers' kafka.replay_window_s).
+    claim_lease_s: float = Field(default=300.0, gt=0.0)
+    claim_retention_s: float = Field(default=172_800.0, gt=0.0)
     # Push desired versions to nodes' POST /admin/drafter (heartbeats converge anyway):
     # the nodes' admin bearer token from this env var (the Helm chart's adminToken secret),
     # else this file, else the dataplane's token file; none: no push.

@@ -29,6 +29,8 @@ from adaflash.contracts.admin_api import (
     ApproveIn,
     AuditEntryOut,
     AuditVerifyOut,
+    ClaimsIn,
+    ClaimsOut,
     DeletionAckIn,
     DeletionIn,
     DeletionOut,
@@ -205,6 +207,12 @@ class ControlPlaneClient:
                        limit: int = 100) -> list[DeletionOut]:
         return self._call(list[DeletionOut], "GET", "/deletion-requests",
                           params={"tenant_id": tenant_id, "state": state, "limit": limit})
+
+    # -- learners ---------------------------------------------------------------------------------------------
+    def claim_records(self, learner_id: str, claim: Sequence[str], trained: Sequence[str] = ()) -> ClaimsOut:
+        """Claim the records a learner is about to train; report those it trained (learner role)."""
+        return self._call(ClaimsOut, "POST", f"/learners/{_seg(learner_id)}/claims",
+                          body=ClaimsIn(claim=list(claim), trained=list(trained)))
 
     # -- keys (admin) -----------------------------------------------------------------------------------------
     def create_key(self, name: str, role: Role | str, tenants: Sequence[str] = (),

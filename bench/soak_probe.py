@@ -122,7 +122,8 @@ def ledgers(learner_dirs: list[Path]) -> dict:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             for rid, outcome in db.execute("SELECT record_id, outcome FROM seen"):
-                outcomes[rid] = outcome
+                if outcomes.get(rid) != "trained":  # one learner trained it, the other skipped it
+                    outcomes[rid] = outcome
             stored[d.name] = {int(p): int(o) for p, o in db.execute("SELECT partition, next_offset FROM offsets")}
         except sqlite3.OperationalError:
             stored[d.name] = {}

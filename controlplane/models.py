@@ -289,3 +289,16 @@ class EvalWindowRecord(Base):
     expires_at: Mapped[datetime] = mapped_column(index=True)
     stored_at: Mapped[datetime] = mapped_column()
     body: Mapped[str] = mapped_column(Text)  # the FeedbackRecord as JSON (scrubbed at the node)
+
+
+class RecordClaim(Base):
+    """A learner's hold on a feedback record it trains (controlplane/claims.py): across the
+    learner group, each record is trained by one learner even when a broker that came back
+    empty hands records already trained to another."""
+
+    __tablename__ = "record_claims"
+
+    record_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    learner_id: Mapped[str] = mapped_column(String(128))
+    trained: Mapped[bool] = mapped_column(default=False)
+    claimed_at: Mapped[datetime] = mapped_column(index=True)

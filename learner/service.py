@@ -9,6 +9,7 @@ One loop, one step at a time::
       expired or opted out (tenant policy)             -> dropped, counted
       else                                             -> replay buffer (share cap, TTL)
     buffer ready (full, or its oldest record waited max_wait_s)
+      records claimed at the control plane; another learner's -> finished, not trained
       target supervision, ``epochs`` passes of OPD + length head
       DLQ flushed; checkpoint committed (weights, optimizer, seen, ledger, offsets, lineage)
       Kafka offsets committed (never past a record still held in the buffer)
@@ -24,6 +25,10 @@ surviving weights saw every record once (``trained`` is the ledger that shows it
 named phase of a step (after_train, after_weights, after_checkpoint, after_commit) so
 recovery can be tested against a real broker.
 
+Across learners (learner/claims.py, controlplane/claims.py): Kafka's committed offsets keep
+them off each other's records, and claims keep that true when a broker that came back empty
+hands records one learner trained to another.
+
 Deletion requests (learner/deletion.py): between steps the learner purges a deleted
 tenant from its buffer, deferred records and checkpoint ledger and acknowledges it to
 the control plane.
@@ -37,6 +42,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from adaflash.config import Settings
@@ -142,6 +148,10 @@ class Learner:
         from learner.deletion import DeletionPoller
 
         self.deletions = DeletionPoller.from_settings(self)
+        from learner.claims import RecordClaims
+
+        # one learner trains each record across the group (controlplane/claims.py)
+        self.claims = RecordClaims(self.deletions.client, self.cfg.learner_id) if self.deletions else None
         from learner.resilience import BrokerWatch
 
         self.epoch = 0  # bumped when the broker comes back empty (learner/resilience.py)
@@ -312,11 +322,16 @@ class Learner:
     def step(self) -> dict[str, float] | None:
         with self._lock:
             items, gone = self.buffer.take()
+        held = self.claims.claim([i.record.record_id for i in items]) if self.claims and items else set()
+        elsewhere = [i for i in items if i.record.record_id in held]  # another learner trains them
+        if elsewhere:
+            items = [i for i in items if i.record.record_id not in held]
+            self.counters["trained_elsewhere"] += len(elsewhere)
         step = self.store.step + 1
         links = links_from_traceparents(i.traceparent for i in items)
         with _tracer.start_as_current_span(Spans.TRAIN_STEP, links=links,
                                            attributes={SpanAttrs.RECORDS: len(items), "step": step}) as span:
-            metrics = self._step(step, items, gone)
+            metrics = self._step(step, items, gone, elsewhere)
             for key in ("loss", "head_mae", "clip_ratio", "sim_tau"):
                 if key in metrics:
                     span.set_attribute(key, metrics[key])
@@ -324,9 +339,10 @@ class Learner:
             self._maybe_publish(step, metrics)
         return metrics
 
-    def _step(self, step: int, items: list[Item], gone: list[Item]) -> dict[str, float]:
-        done = self.done + [Done(i.record.record_id, i.record.tenant_id, "expired", i.record.created_at.isoformat())
-                            for i in gone]
+    def _step(self, step: int, items: list[Item], gone: list[Item],
+              elsewhere: Sequence[Item] = ()) -> dict[str, float]:
+        done = self.done + [Done(i.record.record_id, i.record.tenant_id, why, i.record.created_at.isoformat())
+                            for why, its in (("expired", gone), ("trained_elsewhere", elsewhere)) for i in its]
         metrics: dict[str, float] = {}
         if items:
             t0 = time.monotonic()
@@ -338,6 +354,8 @@ class Learner:
                      for i in items]
         _crash_point("after_train", step)
         self._checkpoint(step, done, items, metrics)
+        if items and self.claims is not None:  # checkpointed: the claims are final
+            self.claims.trained([i.record.record_id for i in items])
         if items:
             log.info("step %s: %d records, loss %.4f, head_mae %.3f, sim_tau %.2f", step, len(items),
                      metrics.get("loss", float("nan")), metrics.get("head_mae", float("nan")),
@@ -459,6 +477,9 @@ class Learner:
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None
+        if self.claims is not None:
+            self.claims.flush()
+            self.claims = None
         if self.deletions is not None:
             self.deletions.close()
             self.deletions = None

@@ -82,7 +82,7 @@ def learner_services(settings: Settings, config: str | None, cp_url: str, admin_
             env.update({"ADAFLASH_LEARNER__STATE_DIR": str(home / f"learner-{i + 1}"),
                         "ADAFLASH_TELEMETRY__FILE_PATH": str(home / f"traces-{{service}}-{learner_id}.jsonl")})
         before = None
-        if cp_url:  # the learner acknowledges tenant deletions to the control plane
+        if cp_url:  # the learner acknowledges tenant deletions and claims the records it trains
             token = home / (LEARNER_TOKEN_FILE if i == 0 else f"{LEARNER_TOKEN_FILE}-{learner_id}")
             env.update({"ADAFLASH_LEARNER__CONTROLPLANE_URL": cp_url,
                         "ADAFLASH_LEARNER__CONTROLPLANE_TOKEN_FILE": str(token)})

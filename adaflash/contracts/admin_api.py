@@ -351,3 +351,21 @@ class DesiredOut(BaseModel):
 class HeartbeatOut(BaseModel):
     node_id: str
     desired: DesiredOut | None
+
+
+# -- learners' record claims: POST /learners/{id}/claims ----------------------------------------------
+RecordId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+class ClaimsIn(Input):
+    """A learner asks to train ``claim`` (records it is about to train) and reports ``trained``
+    (records it checkpointed as trained since its last call). Granted: nobody else holds the
+    record, or only a claim that expired without being reported trained."""
+
+    claim: list[RecordId] = Field(default_factory=list, max_length=10_000)
+    trained: list[RecordId] = Field(default_factory=list, max_length=10_000)
+
+
+class ClaimsOut(BaseModel):
+    granted: list[str]
+    held_elsewhere: dict[str, str]  # record id -> the learner that holds or trained it

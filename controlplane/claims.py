@@ -1,0 +1,67 @@
+"""One learner trains each feedback record, across the learner group.
+
+Kafka's committed offsets keep learners off each other's records while the broker keeps its
+log. A broker that comes back empty loses the offsets and the group; the nodes' producers
+send again what it had acknowledged (governance/producer.py), and the new log's partitions
+may go to other learners than before. Each learner de-duplicates against its own ledger,
+so a record one learner trained could be trained again by the other. Claims close that:
+
+- before a step, the learner claims the records it is about to train; a record another
+  learner trained, or holds under a claim younger than ``lease_s``, is refused, and the
+  learner finishes it as ``trained_elsewhere`` instead of training it;
+- after its checkpoint, the learner reports the records it trained (with its next call):
+  those claims are final. A claim never reported trained (the learner died mid-step)
+  lapses after ``lease_s``, and whoever reads the record again may take it;
+- claims older than ``retention_s`` are forgotten (longer than any producer's replay window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from controlplane.db import utcnow
+from controlplane.models import RecordClaim
+
+
+def claim(session: Session, learner_id: str, claim_ids: Iterable[str], trained_ids: Iterable[str], *,
+          lease_s: float, retention_s: float, now: datetime | None = None) -> tuple[list[str], dict[str, str]]:
+    """Record ``trained_ids`` as trained by ``learner_id``, then claim ``claim_ids`` for it.
+
+    Returns (granted ids, {refused id: the learner holding it}). Idempotent for one learner."""
+    now = now or utcnow()
+    session.execute(delete(RecordClaim).where(RecordClaim.claimed_at < now - timedelta(seconds=retention_s)))
+    trained, wanted = list(dict.fromkeys(trained_ids)), list(dict.fromkeys(claim_ids))
+    rows = {r.record_id: r for r in session.scalars(
+        select(RecordClaim).where(RecordClaim.record_id.in_(trained + wanted)))} if trained or wanted else {}
+    for rid in trained:
+        row = rows.get(rid)
+        if row is None:
+            rows[rid] = row = RecordClaim(record_id=rid, learner_id=learner_id, trained=True, claimed_at=now)
+            session.add(row)
+        elif row.learner_id == learner_id:
+            row.trained = True
+        # trained by another learner too: the first report stands (the soak counts the twice)
+    granted: list[str] = []
+    refused: dict[str, str] = {}
+    lapsed = now - timedelta(seconds=lease_s)
+    for rid in wanted:
+        row = rows.get(rid)
+        if row is None:
+            rows[rid] = RecordClaim(record_id=rid, learner_id=learner_id, trained=False, claimed_at=now)
+            session.add(rows[rid])
+            granted.append(rid)
+        elif row.learner_id == learner_id:
+            if not row.trained:
+                row.claimed_at = now
+            granted.append(rid)
+        elif not row.trained and row.claimed_at < lapsed:  # the holder never reported it trained
+            row.learner_id, row.claimed_at = learner_id, now
+            granted.append(rid)
+        else:
+            refused[rid] = row.learner_id
+    session.flush()
+    return granted, refused
