@@ -6,18 +6,20 @@ send again what it had acknowledged (governance/producer.py), and the new log's 
 may go to other learners than before. Each learner de-duplicates against its own ledger,
 so a record one learner trained could be trained again by the other. Claims close that:
 
-- before a step, the learner claims the records it is about to train; a record another
-  learner trained, or holds under a claim younger than ``lease_s``, is refused, and the
-  learner finishes it as ``trained_elsewhere`` instead of training it;
-- after its checkpoint, the learner reports the records it trained (with its next call):
-  those claims are final. A claim never reported trained (the learner died mid-step)
-  lapses after ``lease_s``, and whoever reads the record again may take it;
+- before a step, the learner claims the records it is about to train. A record another
+  learner reported trained is refused for good (the learner finishes it as
+  ``trained_elsewhere``); one another learner holds under a claim younger than ``lease_s``
+  is refused for now (the learner keeps it and asks again later);
+- after its checkpoint, before it commits offsets, the learner reports the records it
+  trained: those claims are final. A claim never reported trained (the learner died
+  mid-step) lapses after ``lease_s``, and whoever reads the record again may take it;
 - claims older than ``retention_s`` are forgotten (longer than any producer's replay window).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
@@ -27,11 +29,17 @@ from controlplane.db import utcnow
 from controlplane.models import RecordClaim
 
 
-def claim(session: Session, learner_id: str, claim_ids: Iterable[str], trained_ids: Iterable[str], *,
-          lease_s: float, retention_s: float, now: datetime | None = None) -> tuple[list[str], dict[str, str]]:
-    """Record ``trained_ids`` as trained by ``learner_id``, then claim ``claim_ids`` for it.
+@dataclass
+class Claimed:
+    granted: list[str]
+    trained_elsewhere: dict[str, str]  # record id -> the learner that trained it
+    held_elsewhere: dict[str, str]  # record id -> the learner whose claim is live
 
-    Returns (granted ids, {refused id: the learner holding it}). Idempotent for one learner."""
+
+def claim(session: Session, learner_id: str, claim_ids: Iterable[str], trained_ids: Iterable[str], *,
+          lease_s: float, retention_s: float, now: datetime | None = None) -> Claimed:
+    """Record ``trained_ids`` as trained by ``learner_id``, then claim ``claim_ids`` for it.
+    Idempotent for one learner."""
     now = now or utcnow()
     session.execute(delete(RecordClaim).where(RecordClaim.claimed_at < now - timedelta(seconds=retention_s)))
     trained, wanted = list(dict.fromkeys(trained_ids)), list(dict.fromkeys(claim_ids))
@@ -44,24 +52,25 @@ def claim(session: Session, learner_id: str, claim_ids: Iterable[str], trained_i
             session.add(row)
         elif row.learner_id == learner_id:
             row.trained = True
-        # trained by another learner too: the first report stands (the soak counts the twice)
-    granted: list[str] = []
-    refused: dict[str, str] = {}
+        # else trained by another learner too (a lease that lapsed mid-step): the first report stands
+    out = Claimed([], {}, {})
     lapsed = now - timedelta(seconds=lease_s)
     for rid in wanted:
         row = rows.get(rid)
         if row is None:
             rows[rid] = RecordClaim(record_id=rid, learner_id=learner_id, trained=False, claimed_at=now)
             session.add(rows[rid])
-            granted.append(rid)
+            out.granted.append(rid)
         elif row.learner_id == learner_id:
             if not row.trained:
                 row.claimed_at = now
-            granted.append(rid)
-        elif not row.trained and row.claimed_at < lapsed:  # the holder never reported it trained
+            out.granted.append(rid)
+        elif row.trained:
+            out.trained_elsewhere[rid] = row.learner_id
+        elif row.claimed_at < lapsed:  # the holder never reported it trained
             row.learner_id, row.claimed_at = learner_id, now
-            granted.append(rid)
+            out.granted.append(rid)
         else:
-            refused[rid] = row.learner_id
+            out.held_elsewhere[rid] = row.learner_id
     session.flush()
-    return granted, refused
+    return out

@@ -1,6 +1,7 @@
 """The learner's side of record claims (controlplane/claims.py): before a step, claim the
-records about to be trained; records another learner trained or holds are finished here as
-``trained_elsewhere``; after the checkpoint, the trained ones are reported with the next call.
+records about to be trained; records another learner trained are finished here as
+``trained_elsewhere``, records another learner holds under a live claim wait and are claimed
+again later; after the checkpoint, before offsets are committed, the trained ones are reported.
 
 The control plane out of reach: the step trains what it took (each learner still
 de-duplicates against its own ledger; only records handed between learners by a broker that
@@ -26,35 +27,38 @@ class RecordClaims:
     def __init__(self, client: ControlPlaneClient, learner_id: str):
         self.client, self.learner_id = client, learner_id
         self.unreported: list[str] = []
-        self.counters = {"granted": 0, "trained_elsewhere": 0, "unavailable": 0}
+        self.counters = {"granted": 0, "trained_elsewhere": 0, "held_elsewhere": 0, "unavailable": 0}
         self.last_error: str | None = None
 
-    def claim(self, record_ids: Sequence[str]) -> set[str]:
-        """Claim ``record_ids``; returns those another learner holds or trained (not to train)."""
+    def claim(self, record_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """Claim ``record_ids``; returns (trained by another learner: never train them,
+        held by another learner: not now)."""
         report = self.unreported[:REPORT_BATCH]
         try:
             out = self.client.claim_records(self.learner_id, record_ids, report)
         except Exception as e:  # noqa: BLE001 - control plane away: train, report later
             self.counters["unavailable"] += 1
             self.last_error = f"{type(e).__name__}: {e}"
-            log.warning("record claims unavailable (%s); training %d records unclaimed", self.last_error,
+            log.warning("record claims unavailable (%s); %d records go unclaimed", self.last_error,
                         len(record_ids))
-            return set()
+            return set(), set()
         self.unreported, self.last_error = self.unreported[len(report):], None
-        elsewhere = set(out.held_elsewhere)
         self.counters["granted"] += len(out.granted)
-        self.counters["trained_elsewhere"] += len(elsewhere)
-        if elsewhere:
-            log.info("%d records held or trained by another learner: not trained here (%s)", len(elsewhere),
-                     sorted(set(out.held_elsewhere.values())))
-        return elsewhere
+        self.counters["trained_elsewhere"] += len(out.trained_elsewhere)
+        self.counters["held_elsewhere"] += len(out.held_elsewhere)
+        if out.trained_elsewhere or out.held_elsewhere:
+            log.info("records of other learners: %d trained (not trained here), %d held (claimed again later)",
+                     len(out.trained_elsewhere), len(out.held_elsewhere))
+        return set(out.trained_elsewhere), set(out.held_elsewhere)
 
     def trained(self, record_ids: Sequence[str]) -> None:
-        """Checkpointed as trained: reported with the next claim (or ``flush``)."""
+        """Checkpointed as trained: reported now (the claims become final), or with the next
+        call if the control plane is away."""
         self.unreported = (self.unreported + list(record_ids))[-MAX_UNREPORTED:]
+        self.flush()
 
     def flush(self) -> None:
-        """Report what is trained (at close); what the control plane does not take waits."""
+        """Report what is trained; what the control plane does not take waits."""
         while self.unreported:
             before = len(self.unreported)
             self.claim([])

@@ -69,6 +69,7 @@ from learner.supervision import BAD_SCHEMA, Supervisor, Unusable
 from learner.trainer import Trainer
 
 log = logging.getLogger("adaflash.learner")
+CLAIM_RETRY_S = 5.0  # how long a step waits after records another learner held were put back
 _tracer = tracer(__name__, service=LEARNER)
 
 CRASH_ENV = "ADAFLASH_LEARNER_CRASH"
@@ -152,6 +153,7 @@ class Learner:
 
         # one learner trains each record across the group (controlplane/claims.py)
         self.claims = RecordClaims(self.deletions.client, self.cfg.learner_id) if self.deletions else None
+        self._next_step_at = 0.0  # after records another learner held went back: not before this
         from learner.resilience import BrokerWatch
 
         self.epoch = 0  # bumped when the broker comes back empty (learner/resilience.py)
@@ -322,11 +324,7 @@ class Learner:
     def step(self) -> dict[str, float] | None:
         with self._lock:
             items, gone = self.buffer.take()
-        held = self.claims.claim([i.record.record_id for i in items]) if self.claims and items else set()
-        elsewhere = [i for i in items if i.record.record_id in held]  # another learner trains them
-        if elsewhere:
-            items = [i for i in items if i.record.record_id not in held]
-            self.counters["trained_elsewhere"] += len(elsewhere)
+        items, elsewhere = self._claim(items)
         step = self.store.step + 1
         links = links_from_traceparents(i.traceparent for i in items)
         with _tracer.start_as_current_span(Spans.TRAIN_STEP, links=links,
@@ -338,6 +336,23 @@ class Learner:
         if items:
             self._maybe_publish(step, metrics)
         return metrics
+
+    def _claim(self, items: list[Item]) -> tuple[list[Item], list[Item]]:
+        """Claim ``items`` at the control plane: returns (those to train, those another learner
+        trained). Those another learner holds go back into the buffer, and the next step waits
+        CLAIM_RETRY_S (their claims lapse if their holder died mid-step)."""
+        if self.claims is None or not items:
+            return items, []
+        trained, held = self.claims.claim([i.record.record_id for i in items])
+        if held:
+            with self._lock:
+                for it in items:
+                    if it.record.record_id in held:
+                        self.buffer.offer(it)
+            self._next_step_at = time.monotonic() + CLAIM_RETRY_S
+        self.counters["trained_elsewhere"] += len(trained)
+        return ([i for i in items if i.record.record_id not in trained | held],
+                [i for i in items if i.record.record_id in trained])
 
     def _step(self, step: int, items: list[Item], gone: list[Item],
               elsewhere: Sequence[Item] = ()) -> dict[str, float]:
@@ -354,8 +369,6 @@ class Learner:
                      for i in items]
         _crash_point("after_train", step)
         self._checkpoint(step, done, items, metrics)
-        if items and self.claims is not None:  # checkpointed: the claims are final
-            self.claims.trained([i.record.record_id for i in items])
         if items:
             log.info("step %s: %d records, loss %.4f, head_mae %.3f, sim_tau %.2f", step, len(items),
                      metrics.get("loss", float("nan")), metrics.get("head_mae", float("nan")),
@@ -377,6 +390,8 @@ class Learner:
         self.store.commit(step, weights, done, self.topic, offsets, meta)
         self.done, self.dirty = [], False
         _crash_point("after_checkpoint", step)
+        if items and self.claims is not None:  # checkpointed: final claims, before offsets move past them
+            self.claims.trained([i.record.record_id for i in items])
         if self.consumer is not None:
             self.consumer.commit(offsets)
         _crash_point("after_commit", step)
@@ -439,7 +454,7 @@ class Learner:
                     self.handle(m)
                 if msgs or not self.consumer.assigned():
                     idle_since = time.monotonic()  # idle only counts once the group gave us partitions
-                if self.buffer.ready():
+                if self.buffer.ready() and time.monotonic() >= self._next_step_at:
                     self.step()
                     steps += 1
                     if max_steps is not None and steps >= max_steps:

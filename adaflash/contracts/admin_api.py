@@ -359,8 +359,8 @@ RecordId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z
 
 class ClaimsIn(Input):
     """A learner asks to train ``claim`` (records it is about to train) and reports ``trained``
-    (records it checkpointed as trained since its last call). Granted: nobody else holds the
-    record, or only a claim that expired without being reported trained."""
+    (records it checkpointed as trained). Granted: nobody else holds the record, or only a
+    claim that lapsed without being reported trained."""
 
     claim: list[RecordId] = Field(default_factory=list, max_length=10_000)
     trained: list[RecordId] = Field(default_factory=list, max_length=10_000)
@@ -368,4 +368,5 @@ class ClaimsIn(Input):
 
 class ClaimsOut(BaseModel):
     granted: list[str]
-    held_elsewhere: dict[str, str]  # record id -> the learner that holds or trained it
+    trained_elsewhere: dict[str, str]  # record id -> the learner that trained it: never train it
+    held_elsewhere: dict[str, str]  # record id -> the learner whose claim is live: ask again later

@@ -25,14 +25,15 @@ def test_a_record_trained_by_one_learner_is_refused_to_the_other(client, make_ke
     r = _claims(client, a, "learner", claim=["r1", "r2"])
     assert r.status_code == 200, r.text
     assert sorted(r.json()["granted"]) == ["r1", "r2"] and r.json()["held_elsewhere"] == {}
-    # learner-2 reads r2 and r3 again (a broker that came back empty): r2 is held by learner
+    # learner-2 reads r2 and r3 again (a broker that came back empty): r2 is held by learner, for now
     r = _claims(client, b, "learner-2", claim=["r2", "r3"])
-    assert r.json() == {"granted": ["r3"], "held_elsewhere": {"r2": "learner"}}
+    assert r.json() == {"granted": ["r3"], "trained_elsewhere": {}, "held_elsewhere": {"r2": "learner"}}
     # learner reports r1 and r2 trained; claiming them again is idempotent for it
     r = _claims(client, a, "learner", claim=["r1"], trained=["r1", "r2"])
-    assert r.json() == {"granted": ["r1"], "held_elsewhere": {}}
-    assert _claims(client, b, "learner-2", claim=["r1", "r2"]).json()["held_elsewhere"] == \
-        {"r1": "learner", "r2": "learner"}
+    assert r.json() == {"granted": ["r1"], "trained_elsewhere": {}, "held_elsewhere": {}}
+    r = _claims(client, b, "learner-2", claim=["r1", "r2"])
+    assert r.json() == {"granted": [], "trained_elsewhere": {"r1": "learner", "r2": "learner"},
+                        "held_elsewhere": {}}
 
 
 def test_a_claim_never_reported_trained_lapses_and_a_trained_one_does_not(client, make_key, sessions, settings):
@@ -41,13 +42,16 @@ def test_a_claim_never_reported_trained_lapses_and_a_trained_one_does_not(client
     with sessions() as s:
         claims.claim(s, "learner", ["held", "done"], [], lease_s=lease, retention_s=keep, now=t0)
         claims.claim(s, "learner", [], ["done"], lease_s=lease, retention_s=keep, now=t0)
-        later = t0 + timedelta(seconds=lease + 1)  # learner died mid-step: its claim on "held" lapsed
-        granted, refused = claims.claim(s, "learner-2", ["held", "done"], [], lease_s=lease, retention_s=keep,
-                                        now=later)
-        assert granted == ["held"] and refused == {"done": "learner"}
-        gone = t0 + timedelta(seconds=keep + 1)  # past the retention: every claim forgotten
-        granted, refused = claims.claim(s, "learner", ["held", "done"], [], lease_s=lease, retention_s=keep, now=gone)
-        assert sorted(granted) == ["done", "held"] and refused == {}
+        soon = claims.claim(s, "learner-2", ["held", "done"], [], lease_s=lease, retention_s=keep,
+                            now=t0 + timedelta(seconds=lease - 1))
+        assert soon.granted == [] and soon.held_elsewhere == {"held": "learner"} and \
+            soon.trained_elsewhere == {"done": "learner"}
+        later = claims.claim(s, "learner-2", ["held", "done"], [], lease_s=lease, retention_s=keep,
+                             now=t0 + timedelta(seconds=lease + 1))  # learner died mid-step: "held" lapsed
+        assert later.granted == ["held"] and later.trained_elsewhere == {"done": "learner"}
+        gone = claims.claim(s, "learner", ["held", "done"], [], lease_s=lease, retention_s=keep,
+                            now=t0 + timedelta(seconds=keep + 1))  # past the retention: every claim forgotten
+        assert sorted(gone.granted) == ["done", "held"] and not gone.trained_elsewhere and not gone.held_elsewhere
         s.commit()
 
 

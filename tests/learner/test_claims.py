@@ -34,7 +34,7 @@ def test_a_record_one_learner_trained_is_not_trained_by_the_other(tmp_path, brok
     from controlplane.api import create_app
     from learner.service import Learner
 
-    cp = load_config(home=tmp_path / "cp")
+    cp = load_config(home=tmp_path / "cp", controlplane={"claim_lease_s": 4.0})
     with LiveServer(create_app(cp)) as srv:
         admin = {"Authorization": f"Bearer {(cp.home / 'admin-token').read_text().strip()}"}
         keys = {}
@@ -56,12 +56,19 @@ def test_a_record_one_learner_trained_is_not_trained_by_the_other(tmp_path, brok
 
         new = [make_record(tenant=t, response=f"later reply from {t}.") for t in ("acme", "beta")]
         produce(broker.bootstrap, first.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in new])
+        # a third record "learner" claimed and died before training (its claim lapses after the lease)
+        dying = make_record(tenant="acme", response="a reply whose learner died mid-step.")
+        r = httpx.post(f"{srv.url}/api/v1/learners/learner/claims", timeout=10, json={"claim": [dying.record_id]},
+                       headers={"Authorization": f"Bearer {keys['learner'].read_text()}"})
+        assert r.json()["granted"] == [dying.record_id]
+        produce(broker.bootstrap, first.kafka.feedback_topic, [(dying.tenant_id, dying.to_bytes())])
         second = learner_settings(tmp_path / "learner-2", broker, target_dir, drafter_dir, learner_id="learner-2",
                                   controlplane_url=srv.url, controlplane_token_file=str(keys["learner-2"]))
         # the same log, read from its start by a group with no offsets (as after a broker reset)
         second.kafka = first.kafka.model_copy(update={"consumer_group": first.kafka.consumer_group + "-after"})
         b = Learner(second)
         counters = b.counters
-        b.run(exit_when_idle_s=2.0)
-        assert _ledger(second) == sorted(r.record_id for r in new)  # none of the six trained twice
+        b.run(exit_when_idle_s=2.0 + cp.controlplane.claim_lease_s)
+        # none of the six trained twice; the record whose claim lapsed trained once, here
+        assert _ledger(second) == sorted(r.record_id for r in new + [dying])
         assert counters["trained_elsewhere"] == len(old)

@@ -28,10 +28,11 @@ def post_claims(learner_id: LearnerPath, body: ClaimsIn, session: Session = Sess
     cp = settings.controlplane
 
     def once() -> ClaimsOut:
-        granted, refused = claims.claim(session, learner_id, body.claim, body.trained,
-                                        lease_s=cp.claim_lease_s, retention_s=cp.claim_retention_s)
+        out = claims.claim(session, learner_id, body.claim, body.trained,
+                           lease_s=cp.claim_lease_s, retention_s=cp.claim_retention_s)
         session.commit()
-        return ClaimsOut(granted=granted, held_elsewhere=refused)
+        return ClaimsOut(granted=out.granted, trained_elsewhere=out.trained_elsewhere,
+                         held_elsewhere=out.held_elsewhere)
 
     try:
         return once()
