@@ -16,7 +16,7 @@ from controlplane.api import create_app
 
 SECRET = "s3cret-for-tests-only-0123456789abcdef"  # JWT tests only
 PATH_VALUES = {"version": "1", "node_id": "node-a", "tenant_id": "acme", "evaluation_id": "1", "name": "tau",
-               "request_id": "1", "key_id": "abc123"}
+               "request_id": "1", "key_id": "abc123", "learner_id": "learner"}
 
 
 def operations(app):
