@@ -14,10 +14,15 @@ so a record one learner trained could be trained again by the other. Claims clos
   trained: those claims are final. A claim never reported trained (the learner died
   mid-step) lapses after ``lease_s``, and whoever reads the record again may take it;
 - claims older than ``retention_s`` are forgotten (longer than any producer's replay window).
+
+A claim keeps the SHA-256 of the record id, not the id: the table outlives tenant deletions
+(a deleted tenant's records are refused by every learner anyway) and holds nothing that
+names a record.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -43,12 +48,14 @@ def claim(session: Session, learner_id: str, claim_ids: Iterable[str], trained_i
     now = now or utcnow()
     session.execute(delete(RecordClaim).where(RecordClaim.claimed_at < now - timedelta(seconds=retention_s)))
     trained, wanted = list(dict.fromkeys(trained_ids)), list(dict.fromkeys(claim_ids))
-    rows = {r.record_id: r for r in session.scalars(
-        select(RecordClaim).where(RecordClaim.record_id.in_(trained + wanted)))} if trained or wanted else {}
+    key = {rid: hashlib.sha256(rid.encode()).hexdigest() for rid in trained + wanted}
+    found = {r.record_id: r for r in session.scalars(
+        select(RecordClaim).where(RecordClaim.record_id.in_(list(set(key.values())))))} if key else {}
+    rows = {rid: found[k] for rid, k in key.items() if k in found}
     for rid in trained:
         row = rows.get(rid)
         if row is None:
-            rows[rid] = row = RecordClaim(record_id=rid, learner_id=learner_id, trained=True, claimed_at=now)
+            rows[rid] = row = RecordClaim(record_id=key[rid], learner_id=learner_id, trained=True, claimed_at=now)
             session.add(row)
         elif row.learner_id == learner_id:
             row.trained = True
@@ -58,7 +65,7 @@ def claim(session: Session, learner_id: str, claim_ids: Iterable[str], trained_i
     for rid in wanted:
         row = rows.get(rid)
         if row is None:
-            rows[rid] = RecordClaim(record_id=rid, learner_id=learner_id, trained=False, claimed_at=now)
+            rows[rid] = RecordClaim(record_id=key[rid], learner_id=learner_id, trained=False, claimed_at=now)
             session.add(rows[rid])
             out.granted.append(rid)
         elif row.learner_id == learner_id:

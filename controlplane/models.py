@@ -298,7 +298,7 @@ class RecordClaim(Base):
 
     __tablename__ = "record_claims"
 
-    record_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    record_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)  # SHA-256 of the id, hex
     learner_id: Mapped[str] = mapped_column(String(128))
     trained: Mapped[bool] = mapped_column(default=False)
     claimed_at: Mapped[datetime] = mapped_column(index=True)

@@ -51,6 +51,12 @@ class RecordClaims:
                      len(out.trained_elsewhere), len(out.held_elsewhere))
         return set(out.trained_elsewhere), set(out.held_elsewhere)
 
+    def sort(self, items: Sequence) -> tuple[list, list, list]:
+        """Claim the buffer items ``items``: (to train, trained by another learner, held by one)."""
+        trained, held = self.claim([i.record.record_id for i in items])
+        return ([i for i in items if i.record.record_id not in trained | held],
+                [i for i in items if i.record.record_id in trained], [i for i in items if i.record.record_id in held])
+
     def trained(self, record_ids: Sequence[str]) -> None:
         """Checkpointed as trained: reported now (the claims become final), or with the next
         call if the control plane is away."""

@@ -343,16 +343,14 @@ class Learner:
         CLAIM_RETRY_S (their claims lapse if their holder died mid-step)."""
         if self.claims is None or not items:
             return items, []
-        trained, held = self.claims.claim([i.record.record_id for i in items])
+        train, elsewhere, held = self.claims.sort(items)
         if held:
             with self._lock:
-                for it in items:
-                    if it.record.record_id in held:
-                        self.buffer.offer(it)
+                for it in held:
+                    self.buffer.offer(it)
             self._next_step_at = time.monotonic() + CLAIM_RETRY_S
-        self.counters["trained_elsewhere"] += len(trained)
-        return ([i for i in items if i.record.record_id not in trained | held],
-                [i for i in items if i.record.record_id in trained])
+        self.counters["trained_elsewhere"] += len(elsewhere)
+        return train, elsewhere
 
     def _step(self, step: int, items: list[Item], gone: list[Item],
               elsewhere: Sequence[Item] = ()) -> dict[str, float]:
