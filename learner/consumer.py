@@ -16,6 +16,7 @@ de-duplicate on (source_partition, source_offset).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -142,10 +143,8 @@ class FeedbackConsumer:
         except KafkaError as e:  # broker still away: keep the old one and try again next round
             log.warning("cannot make a new DLQ producer yet: %s", type(e).__name__)
             return
-        try:
+        with contextlib.suppress(Exception):  # the old one is already broken
             old.close(timeout=0)
-        except Exception:  # noqa: BLE001 - already broken
-            pass
 
     def commit(self, offsets: dict[int, int]) -> None:
         """Commit the group's offsets. A commit refused because a rebalance moved the
