@@ -187,6 +187,9 @@ class LearnerConfig(BaseModel):
     tenant_policy_file: str = ""  # YAML/JSON list of TenantPolicy; empty: governance defaults
     max_wait_s: float = 60.0  # train a partial buffer once its oldest record waited this long
     max_deferred: int = 128  # records held back by the share cap before fetching pauses
+    # A learner behind its traffic sheds what waited too long: a record created more than this
+    # many seconds ago is finished untrained (ledger outcome "stale"). None: never shed.
+    max_record_age_s: float | None = Field(default=None, gt=0)
     session_timeout_ms: int = 6000  # consumer group session (fast joins on Tansu)
     poll_timeout_ms: int = 500
     metadata_max_age_ms: int = 5000  # cluster metadata refresh (notices a broker that came back empty)

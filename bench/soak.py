@@ -146,7 +146,8 @@ def plot(result: dict, path: Path) -> None:
 
 def _learners_catch_up(ep: dict, k, within_s: float) -> dict:
     """After the traffic: the group's lag on the feedback topic must reach 0 within ``within_s``
-    (a partial buffer trains after learner.max_wait_s). A learner that stopped consuming
+    (a partial buffer trains after learner.max_wait_s; stale records are shed after
+    learner.max_record_age_s). A learner that stopped consuming
     leaves its records pending for ever, which the records count alone would call accounted."""
     t0 = time.monotonic()
     first = last = probe.kafka_offsets(ep["kafka_bootstrap"], k.feedback_topic, k.dlq_topic, k.consumer_group)
@@ -163,7 +164,10 @@ def _final_checks(settings, ep: dict, admin: str, scraper: FeedbackScraper, lear
     """The records, offsets and fleet invariants, read while the stack still runs. The fleet is
     given ``wait_s`` to converge (a node picking up a new champion, MLflow mirroring a state)."""
     k = settings.kafka
-    caught_up = _learners_catch_up(ep, k, max(60.0, settings.learner.max_wait_s + 30.0))
+    # a learner behind its traffic sheds what is older than max_record_age_s: it is caught up once
+    # the last records it read are trained or that old (and its current step is done)
+    age = settings.learner.max_record_age_s
+    caught_up = _learners_catch_up(ep, k, max(60.0, settings.learner.max_wait_s + 30.0) + (age + 120.0 if age else 0.0))
     scraper.stop()
     kafka = led = None
     for _ in range(5):  # a snapshot of the ledgers between two equal reads of the group's offsets

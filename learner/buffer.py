@@ -78,11 +78,15 @@ def expired(record: FeedbackRecord, policy: TenantPolicy, now: datetime) -> bool
     return record.created_at + timedelta(days=policy.ttl_days) < now
 
 
+DROPPED = ("expired", "opt_out", "stale")  # what a held record can be dropped for while it waits
+
+
 class ReplayBuffer:
     def __init__(self, capacity: int, policy: PolicySource, max_wait_s: float = 60.0, max_deferred: int = 128,
                  clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, max_age_s: float | None = None):
         self.capacity = capacity
+        self.max_age_s = max_age_s  # older records are shed as "stale" (None: never)
         self.policy = policy
         self.max_wait_s = max_wait_s
         self.max_deferred = max_deferred
@@ -90,14 +94,14 @@ class ReplayBuffer:
         self.items: list[Item] = []
         self.deferred: deque[Item] = deque()
         self.counts: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()  # reason -> count (expired, opt_out)
+        self.dropped: Counter[str] = Counter()  # reason -> count (expired, opt_out, stale)
 
     # --- admission ------------------------------------------------------------------------------
     def cap(self, tenant_id: str) -> int:
         return max(1, int(self.policy(tenant_id).share_cap * self.capacity))
 
     def usable(self, record: FeedbackRecord) -> str | None:
-        """None if the record may be trained on now, else why not ("held_out", "expired", "opt_out")."""
+        """None if the record may be trained on now, else why not ("held_out", "expired", "opt_out", "stale")."""
         if is_evaluation_record(record.record_id):  # reserved for shadow evaluation, never trained on
             return "held_out"
         p = self.policy(record.tenant_id)
@@ -105,14 +109,33 @@ class ReplayBuffer:
             return "opt_out"
         if expired(record, p, self.clock()):
             return "expired"
+        if self.stale(record):
+            return "stale"
         return None
+
+    def stale(self, record: FeedbackRecord) -> bool:
+        """Created more than ``max_age_s`` ago: a learner this far behind its traffic sheds it."""
+        return self.max_age_s is not None and record.created_at < self.clock() - timedelta(seconds=self.max_age_s)
+
+    def shed_stale(self) -> list[Item]:
+        """Remove the held records that grew stale while they waited; returns them (finished untrained)."""
+        if self.max_age_s is None:
+            return []
+        out = [i for i in self.items + list(self.deferred) if self.stale(i.record)]
+        if out:
+            gone = {id(i) for i in out}
+            self.items = [i for i in self.items if id(i) not in gone]
+            self.deferred = deque(i for i in self.deferred if id(i) not in gone)
+            self.counts = Counter(i.record.tenant_id for i in self.items)
+            self.dropped["stale"] += len(out)
+        return out
 
     def holds(self, record_id: str) -> bool:
         return any(i.record.record_id == record_id for i in self.items) or \
             any(i.record.record_id == record_id for i in self.deferred)
 
     def offer(self, item: Item) -> str:
-        """Returns "buffered", "deferred", "duplicate" or a drop reason ("expired", "opt_out")."""
+        """Returns "buffered", "deferred", "duplicate" or a drop reason ("held_out", "expired", "opt_out", "stale")."""
         why = self.usable(item.record)
         if why:
             self.dropped[why] += 1
@@ -143,8 +166,8 @@ class ReplayBuffer:
     def take(self) -> tuple[list[Item], list[Item]]:
         """Hand the current buffer to training; refill from the deferred records.
 
-        Returns (items to train on, items dropped now because their TTL ran out while
-        they waited). Both are done with once the step that took them is checkpointed.
+        Returns (items to train on, items dropped now because they expired, opted out or grew
+        stale while they waited). Both are done with once the step that took them is checkpointed.
         """
         train, gone = [], []
         for it in self.items:
@@ -158,7 +181,7 @@ class ReplayBuffer:
         waiting, self.deferred = self.deferred, deque()
         for it in waiting:
             outcome = self.offer(it)
-            if outcome in ("expired", "opt_out"):
+            if outcome in DROPPED:
                 gone.append(it)
         return train, gone
 

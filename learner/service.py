@@ -7,6 +7,7 @@ One loop, one step at a time::
       record already trained (checkpointed ``seen``)   -> skip
       bad schema / unknown target / too long / short   -> DLQ with the reason
       expired or opted out (tenant policy)             -> dropped, counted
+      older than max_record_age_s (learner behind)     -> dropped as "stale", counted
       else                                             -> replay buffer (share cap, TTL)
     buffer ready (full, or its oldest record waited max_wait_s)
       records claimed at the control plane; another learner's -> finished, not trained
@@ -63,7 +64,7 @@ from dataplane.node import STARTER_DIR  # the bundle a node serves when dataplan
 from dataplane.runner import ModelRunner
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Tokenizer
-from learner.buffer import Item, PolicySource, ReplayBuffer, StaticPolicies
+from learner.buffer import DROPPED, Item, PolicySource, ReplayBuffer, StaticPolicies
 from learner.checkpoint import CheckpointStore, Done
 from learner.supervision import BAD_SCHEMA, Supervisor, Unusable
 from learner.trainer import Trainer
@@ -133,7 +134,7 @@ class Learner:
         elif parent is not None and self.store.meta("parent_version") is None:
             self.store.set_meta({"parent_version": parent})
         self.buffer = ReplayBuffer(self.cfg.buffer_size, policy or policy_source(settings), self.cfg.max_wait_s,
-                                   self.cfg.max_deferred)
+                                   self.cfg.max_deferred, max_age_s=self.cfg.max_record_age_s)
         self.publisher = publisher
         self.consumer = None
         self.consumed_next: dict[int, int] = {}
@@ -266,7 +267,7 @@ class Learner:
             return self._dlq(msg, e.reason, e.detail)
         outcome = self.buffer.offer(Item(tok, msg.partition, msg.offset,
                                          traceparent=traceparent_from_headers(msg.headers), epoch=self.epoch))
-        if outcome in ("expired", "opt_out", "held_out"):  # finished without training: in the ledger, never re-read
+        if outcome in (*DROPPED, "held_out"):  # finished without training: in the ledger, never re-read
             self.done.append(Done(record.record_id, record.tenant_id, outcome, record.created_at.isoformat()))
             self.dirty = True
         elif outcome == "duplicate":
@@ -354,8 +355,9 @@ class Learner:
 
     def _step(self, step: int, items: list[Item], gone: list[Item],
               elsewhere: Sequence[Item] = ()) -> dict[str, float]:
-        done = self.done + [Done(i.record.record_id, i.record.tenant_id, why, i.record.created_at.isoformat())
-                            for why, its in (("expired", gone), ("trained_elsewhere", elsewhere)) for i in its]
+        done = self.done + [Done(i.record.record_id, i.record.tenant_id, why or self.buffer.usable(i.record) or "expired",
+                                 i.record.created_at.isoformat())
+                            for why, its in ((None, gone), ("trained_elsewhere", elsewhere)) for i in its]
         metrics: dict[str, float] = {}
         if items:
             t0 = time.monotonic()
@@ -447,6 +449,7 @@ class Learner:
             while not self.stop_event.is_set():
                 if self.deletions is not None:
                     self.deletions.maybe_tick()
+                self._shed_stale()
                 msgs = self._poll()
                 for m in msgs:
                     self.handle(m)
@@ -466,6 +469,16 @@ class Learner:
         finally:
             self.close()
         return steps
+
+    def _shed_stale(self) -> None:
+        """Finish untrained the held records that waited past max_record_age_s (a learner behind its
+        traffic keeps up with the fresh part of it; the offsets then move past the shed ones)."""
+        with self._lock:
+            for it in self.buffer.shed_stale():
+                r = it.record
+                self.done.append(Done(r.record_id, r.tenant_id, "stale", r.created_at.isoformat()))
+                self.dirty = True
+                self._count("stale")
 
     def _poll(self) -> list:
         """Fetch what the buffer has room for; a broker that is away or came back empty is

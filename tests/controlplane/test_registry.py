@@ -94,6 +94,10 @@ def test_discovery_records_new_versions_once(registry, published, tmp_path):
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "manifest.json").write_text("{not a manifest")
     (tmp_path / "g" / "manifest.json").replace(bad.source.removeprefix("file://") + "/manifest.json")
+    altered = publish_candidate(registry, make_drafter_dir(tmp_path / "h", seed=7))
+    with open(altered.source.removeprefix("file://") + "/model.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
 
     url = f"sqlite:///{tmp_path / 'cp.db'}"
     upgrade(url)
@@ -108,6 +112,11 @@ def test_discovery_records_new_versions_once(registry, published, tmp_path):
         assert v1.state == "registered" and v1.manifest_sha256 == registry.fetch_manifest(v1.version)[1]
         assert v1.lineage["tenants"] == ["acme", "globex"] and v1.source_uri == published[0].source
         assert "manifest unreadable" in get_version(s, bad.version).state_reason
+        # weights that do not match the manifest: rejected on sight, not queued for evaluation
+        va = get_version(s, altered.version)
+        assert va.state == "rejected" and "sha256 mismatch for model.safetensors" in va.state_reason
+        assert not found[altered.version].manifest_ok
         assert sync_versions(s, registry, load_policy()) == []  # repeating finds nothing new
     assert registry.get(published[0].version).tags[TAG_STATE] == "registered"
+    assert registry.get(altered.version).tags[TAG_STATE] == "rejected"
     engine.dispose()

@@ -74,3 +74,30 @@ def test_evaluation_records_are_never_buffered():
     rec = make_record(record_id=rid, created_at=NOW)
     assert buf.offer(Item(Tokenized(rec, [1, 2, 3], 1), 0, 0, arrived=0.0)) == "held_out"
     assert buf.dropped["held_out"] == 1
+
+
+def test_records_that_wait_past_max_age_are_shed_as_stale_and_fresh_ones_kept():
+    buf, clock = _buffer(StaticPolicies(share_cap=1.0), capacity=2, max_age_s=60.0)
+    old = Item(Tokenized(make_record(created_at=NOW - timedelta(seconds=61)), [1, 2, 3], 1), 0, 0, arrived=0.0)
+    assert buf.offer(old) == "stale"  # already too old when read
+    held = [_item("t", i) for i in range(5)]
+    assert [buf.offer(i) for i in held] == ["buffered"] * 2 + ["deferred"] * 3
+    assert buf.shed_stale() == []
+    clock["now"] = NOW + timedelta(seconds=30)
+    late = _item("t", 9)
+    late.tok = Tokenized(make_record(created_at=clock["now"]), [1, 2, 3], 1)
+    assert buf.offer(late) == "deferred"
+    clock["now"] = NOW + timedelta(seconds=61)  # the first five waited too long, the late one did not
+    shed = buf.shed_stale()
+    assert shed == held and buf.held() == [late] and buf.dropped["stale"] == 1 + 5
+    train, gone = buf.take()
+    assert train == [] and gone == []
+    assert buf.items == [late]
+
+
+def test_without_max_age_nothing_is_ever_stale():
+    buf, clock = _buffer(StaticPolicies(share_cap=1.0), capacity=2)
+    it = _item("t", 0)
+    assert buf.offer(it) == "buffered"
+    clock["now"] = NOW + timedelta(days=1)
+    assert buf.shed_stale() == [] and buf.held() == [it]

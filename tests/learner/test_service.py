@@ -174,3 +174,22 @@ def test_a_rebalance_that_hands_a_partition_back_loses_none_of_its_held_records(
     assert ledger == trainable
     assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
         log_ends(broker.bootstrap, s.kafka.feedback_topic, len(recs))
+
+
+def test_a_learner_behind_its_traffic_sheds_stale_records_and_moves_its_offsets_past_them(
+        tmp_path, broker, target_dir, drafter_dir):
+    s = learner_settings(tmp_path, broker, target_dir, drafter_dir, max_record_age_s=300.0)
+    now = datetime.now(UTC)
+    stale = [make_record(tenant="acme", response=f"old {i}.", created_at=now - timedelta(seconds=600)) for i in range(3)]
+    fresh = [make_record(tenant="beta", response=f"new {i}.") for i in range(4)]
+    ensure_topics(s.kafka.bootstrap, s.kafka, 3_600_000)
+    produce(broker.bootstrap, s.kafka.feedback_topic, [(r.tenant_id, r.to_bytes()) for r in stale + fresh])
+    learner = Learner(s)
+    assert learner.run(exit_when_idle_s=2.0) >= 1
+    assert learner.counters["stale"] == 3
+    store = CheckpointStore(state_dir(s))
+    ledger = [rid for rid, _ in store.ledger()]
+    assert sorted(ledger) == sorted(r.record_id for r in fresh)  # only the fresh ones trained
+    assert all(store.seen(r.record_id) for r in stale)  # finished untrained: never re-read
+    assert committed(broker.bootstrap, s.kafka.consumer_group, s.kafka.feedback_topic) == \
+        log_ends(broker.bootstrap, s.kafka.feedback_topic, len(stale) + len(fresh))
