@@ -22,6 +22,7 @@ from pathlib import Path
 from bench import soak_invariants as checks
 from bench import soak_probe as probe
 from bench.soak_faults import FAULTS, Injector
+from bench.soak_plot import plot
 from bench.soak_probe import FeedbackScraper
 from bench.soak_traffic import FLOOD_TENANT, Traffic, is_json_error, load_prompts
 
@@ -117,33 +118,6 @@ def _ledger(path: Path) -> list[str]:
         db.close()
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, 5))
-    colours = {"ok": "tab:green", "429": "tab:orange", "4xx": "tab:blue", "error": "tab:red"}
-    for label, pick in (("ok", lambda e: e["status"] == 200), ("429", lambda e: e["status"] == 429),
-                        ("4xx", lambda e: 400 <= e["status"] < 500 and e["status"] != 429),
-                        ("error", lambda e: e["status"] == 0 or e["status"] >= 500)):
-        es = [e for e in result["events"] if pick(e)]
-        ax.scatter([e["t"] for e in es], [e["latency_s"] for e in es], s=8, c=colours[label], label=label)
-    for f in result["faults"]:
-        ax.axvline(f["t"], color="grey", ls="--", lw=0.8)
-        ax.text(f["t"], ax.get_ylim()[1] * 0.95, f["name"], rotation=90, fontsize=8, va="top")
-    ax.set_xlabel("seconds since the soak began")
-    ax.set_ylabel("request latency (s)")
-    held = sum(v["held"] for v in result["invariants"].values())
-    ax.set_title(f"soak: {len(result['events'])} requests, {len(result['faults'])} faults, "
-                 f"{held}/{len(result['invariants'])} invariants held")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _learners_catch_up(ep: dict, k, within_s: float) -> dict:
     """After the traffic: the group's lag on the feedback topic must reach 0 within ``within_s``
     (a partial buffer trains after learner.max_wait_s; stale records are shed after
@@ -217,7 +191,7 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
     # a rollback waiting for a promotion gives up with a twentieth of the run (at least 5 s)
     # left; the fleet converges on the version it went back to (fleet_converged allows 60 s more)
     inj = Injector(settings, traffic.now, admin, rollback_by=duration - max(5.0, duration / 20))
-    scraper = FeedbackScraper(settings, ep["dataplane_urls"])
+    scraper = FeedbackScraper(settings, ep["dataplane_urls"], clock=traffic.now)
     traffic.start()
     scraper.start()
     try:
@@ -245,7 +219,7 @@ def run(settings, minutes: float, concurrency: int, tenants: int, faults: list[s
               "flood": flood, "database": database,
               "endpoints": {k: ep.get(k) for k in ("dataplane_urls", "node_ids", "learner_ids", "database_url")},
               "faults": fault_rows, "ttft_by_tenant": checks.ttft_by_tenant(events),
-              "invariants": inv, "stuck_requests": traffic.stuck, "events": events}
+              "invariants": inv, "stuck_requests": traffic.stuck, "events": events, "timeline": scraper.samples}
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     plot(result, out / "timeline.png")
     return result

@@ -7,7 +7,9 @@
   the run's totals are the sums of the per-process maxima; what a process counted after
   its last scrape and before it died is missed (at most ``interval_s`` of records, which
   then show as unaccounted, never hidden). The spool depth is the last one each node
-  reported (the spool is a file and survives a restart).
+  reported (the spool is a file and survives a restart). Each scrape is also kept as a
+  sample for the timeline (``samples``: time, node, spool depth, generated tokens, served
+  drafter version).
 - ``ledgers``: each learner's state.db: the distinct record ids it finished (``seen``,
   by outcome), the ``trained`` ledger, and the next offsets it stored per partition.
 - ``kafka_offsets``: the learner group's committed offsets and the end offsets of the
@@ -34,7 +36,7 @@ def parse_feedback(text: str) -> dict:
     """Totals of the feedback counters in one /metrics page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict = {"emitted": 0.0, "submitted": 0.0, "dropped": {}, "spool": 0.0}
+    out: dict = {"emitted": 0.0, "submitted": 0.0, "dropped": {}, "spool": 0.0, "tokens": 0.0, "version": None}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "adaflash_feedback_emitted_total":
@@ -46,12 +48,17 @@ def parse_feedback(text: str) -> dict:
                 out["dropped"][r] = out["dropped"].get(r, 0.0) + s.value
             elif s.name == "adaflash_feedback_spool_records":
                 out["spool"] = s.value
+            elif s.name == "adaflash_generated_tokens_total":
+                out["tokens"] += s.value
+            elif s.name == "adaflash_drafter_info" and s.value == 1:
+                out["version"] = s.labels.get("version")
     return out
 
 
 class FeedbackScraper:
-    def __init__(self, settings, urls: list[str], interval_s: float = 2.0):
-        self.settings, self.urls, self.interval_s = settings, urls, interval_s
+    def __init__(self, settings, urls: list[str], interval_s: float = 2.0, clock=time.monotonic):
+        self.settings, self.urls, self.interval_s, self.clock = settings, urls, interval_s, clock
+        self.samples: list[dict] = []  # {t, node, spool, tokens, version} per scrape, for the timeline
         self.maxima: dict[tuple[str, int], dict] = {}  # (node part, incarnation) -> largest counters
         self.spool: dict[str, float] = {}
         self._incarnation: dict[str, int] = {}
@@ -81,6 +88,8 @@ class FeedbackScraper:
                 page = parse_feedback(httpx.get(f"{url}/metrics", timeout=5).text)
             except (httpx.HTTPError, ValueError):
                 continue  # the node is down: its last scrape stands
+            self.samples.append({"t": round(self.clock(), 2), "node": part, "spool": page["spool"],
+                                 "tokens": page["tokens"], "version": page["version"]})
             self.observe(part, restarts, page)
 
     def observe(self, part: str, restarts: int, page: dict) -> None:

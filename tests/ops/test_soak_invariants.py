@@ -115,6 +115,30 @@ def test_parse_feedback_reads_the_node_counters():
     assert (page["emitted"], page["dropped"], page["spool"]) == (5, {"spool_overflow": 4}, 7)
 
 
+def test_parse_feedback_reads_tokens_and_the_served_version_and_the_timeline_rates_them(tmp_path):
+    from prometheus_client import generate_latest
+
+    from bench.soak_plot import node_rates, plot
+    from dataplane.metrics import NodeMetrics
+
+    m = NodeMetrics()
+    m.tokens.inc(40)
+    m.set_drafter("3")
+    m.set_drafter("4")  # the previous version's series goes
+    page = parse_feedback(generate_latest(m.registry).decode())
+    assert (page["tokens"], page["version"]) == (40, "4")
+    samples = [{"t": 0.0, "node": "a", "tokens": 0.0, "spool": 0, "version": "3"},
+               {"t": 2.0, "node": "a", "tokens": 40.0, "spool": 1, "version": "4"},
+               {"t": 4.0, "node": "a", "tokens": 4.0, "spool": 0, "version": "4"},  # restarted: counter back
+               {"t": 6.0, "node": "a", "tokens": 10.0, "spool": 0, "version": "4"}]
+    assert node_rates(samples) == {"a": [(2.0, 20.0), (6.0, 3.0)]}
+    events = [{"t": 1.0, "tenant": "t0", "status": 200, "ttft_s": 0.5}, {"t": 3.0, "tenant": "t0", "status": 429,
+                                                                          "ttft_s": None}]
+    plot({"events": events, "timeline": samples, "faults": [{"t": 2.5, "name": "node"}],
+          "invariants": {"x": {"held": True}}}, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
 def test_ledgers_match_offsets():
     stored = {"learner": {0: 5, 1: 3}, "learner-2": {1: 9}}
     assert ledgers_match_offsets({0: 5, 1: 9, 2: 0}, stored, 12, False)["held"]
