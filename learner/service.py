@@ -44,7 +44,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 
 from adaflash.config import Settings
 from adaflash.contracts.feedback import FeedbackRecord, InvalidRecord
@@ -57,15 +56,12 @@ from adaflash.telemetry import (
     traceparent_from_headers,
     tracer,
 )
-from dataplane.drafter import Drafter, new_drafter
-from dataplane.drafter_io import DrafterLoadError, load_bundle
-from dataplane.model import TargetModel
-from dataplane.node import STARTER_DIR  # the bundle a node serves when dataplane.drafter is empty
 from dataplane.runner import ModelRunner
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Tokenizer
-from learner.buffer import DROPPED, Item, PolicySource, ReplayBuffer, StaticPolicies
+from learner.buffer import DROPPED, Item, PolicySource, ReplayBuffer
 from learner.checkpoint import CheckpointStore, Done
+from learner.startup import initial_drafter, policy_source, state_dir
 from learner.supervision import BAD_SCHEMA, Supervisor, Unusable
 from learner.trainer import Trainer
 
@@ -81,37 +77,6 @@ def _crash_point(phase: str, step: int) -> None:
     if want and want == f"{phase}:{step}":
         log.warning("crash point %s reached: SIGKILL", want)
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def state_dir(settings: Settings) -> Path:
-    return Path(settings.learner.state_dir) if settings.learner.state_dir else Path(settings.home) / "learner"
-
-
-def policy_source(settings: Settings) -> PolicySource:
-    g, lc = settings.governance, settings.learner
-    if lc.tenant_policy_file:
-        return StaticPolicies.from_file(lc.tenant_policy_file, g.default_ttl_days, g.default_share_cap)
-    return StaticPolicies(ttl_days=g.default_ttl_days, share_cap=g.default_share_cap)
-
-
-def initial_drafter(settings: Settings, target: TargetModel, identity: dict) -> tuple[Drafter, str | None]:
-    """The drafter the learner starts from (before its own checkpoint, if any, is applied)."""
-    path = settings.learner.init_drafter or settings.dataplane.drafter
-    if path:
-        drafter, manifest = load_bundle(path, target, identity)
-        return drafter, manifest.version
-    # Nothing configured: the node serves the committed starter (dataplane/starter) in that
-    # case, so start from the same bundle when it was made for this target.
-    if settings.dataplane.mode != "ar" and (STARTER_DIR / "manifest.json").is_file():
-        try:
-            drafter, manifest = load_bundle(STARTER_DIR, target, identity)
-        except DrafterLoadError as e:
-            log.warning("starter drafter not usable for this target (%s)", e)
-        else:
-            log.info("starting from the starter drafter %s (%s)", manifest.version, STARTER_DIR)
-            return drafter, manifest.version
-    log.warning("no initial drafter configured: starting from a random one")
-    return new_drafter(target, seed=settings.learner.seed), None
 
 
 class Learner:
