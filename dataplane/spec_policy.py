@@ -23,7 +23,10 @@ One step, as the engine runs it:
    for its drafter share backs off (skips drafting for ``backoff`` steps, doubling up to
    ``max_backoff``) and comes back through a probe: a short block of ``probe_length``
    tokens that resets the back-off when its draft is accepted. A node whose last pass paid
-   for nobody lets only ``probe_requests`` requests (taking turns) draft in its next pass.
+   for nobody skips the drafter for ``backoff`` steps (doubling up to ``max_node_backoff``,
+   longer than a request's ceiling: it spans requests, so a drafter that pays for nobody
+   costs a pass every few dozen steps, not a few passes per request), then lets only
+   ``probe_requests`` requests (taking turns) draft in its next pass.
    A drafter just set (no calibrated steps yet) is on probation the same way: for its
    first ``warmup_rounds`` calibrated steps only ``probe_requests`` requests draft, each a
    probe, so an untrained head that claims high acceptance costs a few probes, not every
@@ -57,7 +60,8 @@ class PolicyConstants:
     calib_min_weight: float = 0.05  # calibration EMA weight once past its bias-corrected start
     calib_floor: float = 0.05
     calib_ceiling: float = 4.0
-    max_backoff: int = 16  # steps a request (or the node) skips the drafter at most
+    max_backoff: int = 16  # steps a request skips the drafter at most
+    max_node_backoff: int = 64  # steps the node skips the drafter at most while its passes pay for nobody
     probe_length: int = 2  # verify tokens of an exploration probe (one draft)
     probe_requests: int = 2  # requests that draft in a pass while the node is backed off
     reset_share: float = 0.5  # a round keeping this share of its drafts resets the back-off
@@ -377,7 +381,7 @@ def after_pass(cfg: PolicyConfig, node: NodeState, paid: bool) -> None:
         node.backoff = 1
     else:
         node.skip = node.backoff
-        node.backoff = min(cfg.consts.max_backoff, 2 * node.backoff)
+        node.backoff = min(cfg.consts.max_node_backoff, 2 * node.backoff)
 
 
 def observe(req: RequestState, k_hat: int, accepted: int, cfg: PolicyConfig, node: NodeState | None = None) -> None:

@@ -135,6 +135,19 @@ def test_node_backs_off_when_a_pass_pays_for_nobody():
     assert node.backoff == 1
 
 
+def test_node_back_off_outgrows_a_requests_ceiling_up_to_its_own():
+    cfg = sp.PolicyConfig(block_size=8)
+    consts = cfg.consts
+    assert consts.max_node_backoff > consts.max_backoff  # the node's skip spans requests
+    node = _trusted()
+    skips = []
+    for _ in range(10):
+        sp.after_pass(cfg, node, paid=False)
+        skips.append(node.skip)
+    assert max(skips) == consts.max_node_backoff and skips[-1] == consts.max_node_backoff
+    assert skips[:4] == [1, 2, 4, 8]  # doubling, as before
+
+
 # -- the cross-request budget ---------------------------------------------------------------------------------
 def test_budget_gives_tokens_to_the_requests_most_likely_to_keep_them():
     cost = _linear(base=0.05, per_request=0.0, per_token=0.001, draft=0.0)
