@@ -26,28 +26,54 @@ def causal_offset_mask(n: int, total: int, device: torch.device) -> torch.Tensor
 SMALL_QUERIES = 64  # at most this many queries: attend_small
 
 
-def attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 extra_k: torch.Tensor | None = None, extra_v: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference-equivalent attention by explicit scores, for few queries.
+def offset_mask(n: int, total: int, group: int, kv_heads: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """Additive causal mask [kv_heads, n * group, total] (an expanded view), 0 or -inf.
 
-    Shapes and mask as ``attend``: query head h reads kv head h // (heads / kv_heads)
-    (GQA); with ``causal``, query i sits at position total - n + i of all total keys
-    (extra keys included) and sees the keys up to it.
+    Rows in (query, head-in-group) order, as ``attend_few`` lays out the queries; query i
+    sits at position total - n + i and sees the keys up to it. Built once per forward and
+    shared by every layer (``packed_attention.StreamPlan``).
+    """
+    see = causal_offset_mask(n, total, device).repeat_interleave(group, dim=0)  # [n*g, total]
+    mask = torch.zeros(see.shape, dtype=dtype, device=device).masked_fill_(~see, float("-inf"))
+    return mask.unsqueeze(0).expand(kv_heads, n * group, total)
+
+
+def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Few-query attention by explicit scores: two batched products and a softmax.
+
+    q [n, heads, d]; k, v [kv_heads, L, d]; mask: additive [kv_heads, n * g, L]
+    (``offset_mask``) or None (every key visible). Query head h reads kv head
+    h // (heads / kv_heads) (GQA). Scaling and masking ride on the first product
+    (``baddbmm``), so a verify step costs three kernels per layer. Returns [n, heads, d].
     """
     n, heads, d = q.shape
     kvh = k.shape[0]
     g = heads // kvh
+    qh = q.reshape(n, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, n * g, d)  # [kvh, n*g, d]
+    if mask is None:
+        scores = torch.bmm(qh, k.transpose(1, 2)) * (d ** -0.5)  # [kvh, n*g, L]
+    else:
+        scores = torch.baddbmm(mask, qh, k.transpose(1, 2), alpha=d ** -0.5)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v)  # [kvh, n*g, d]
+    return out.reshape(kvh, n, g, d).permute(1, 0, 2, 3).reshape(n, heads, d)
+
+
+def attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 extra_k: torch.Tensor | None = None, extra_v: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference-equivalent attention by explicit scores, for few queries (``attend_few``).
+
+    Shapes and mask as ``attend``: with ``causal``, query i sits at position total - n + i
+    of all total keys (extra keys included) and sees the keys up to it.
+    """
+    n, heads, _ = q.shape
     if extra_k is not None:
         k = torch.cat([k, extra_k], dim=1)
         v = torch.cat([v, extra_v], dim=1)
-    L = k.shape[1]
-    qh = q.reshape(n, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, n * g, d)  # [kvh, n*g, d]
-    scores = torch.bmm(qh, k.transpose(1, 2)) * (d ** -0.5)  # [kvh, n*g, L]
+    mask = None
     if causal and n > 1:
-        see = causal_offset_mask(n, L, q.device).repeat_interleave(g, dim=0)  # [n*g, L]
-        scores = scores.masked_fill(~see, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), v)  # [kvh, n*g, d]
-    return out.reshape(kvh, n, g, d).permute(1, 0, 2, 3).reshape(n, heads, d)
+        mask = offset_mask(n, k.shape[1], heads // k.shape[0], k.shape[0], q.dtype, q.device)
+    return attend_few(q, k, v, mask)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

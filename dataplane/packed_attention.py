@@ -7,7 +7,10 @@ request of 64. Here requests of a few tokens are grouped (sorted by length, so t
 padding stays small) and a group attends with three kernels per layer: its queries and
 cached keys/values are laid out padded, [G * kv_heads, n_max * g, .], and an additive
 mask built once per forward hides both what lies after a query and the padding.
-Requests with many new tokens (prompts) attend on their own (``attention.attend``).
+Requests with many new tokens (prompts) attend on their own (``attention.attend``); a
+lone request of a few (a verify at C=1) uses a causal mask built once per forward, not
+once per layer (measured on a 2-core AMD EPYC with AVX512-BF16: 16 queries over 144
+keys, 150 us a layer with the mask built each time, 84 us with it shared).
 
 The plan (groups, masks, gather indices, padded key buffers) depends only on the shape
 of the stream, so it is built once per forward and reused by every layer.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.attention import SMALL_QUERIES, attend
+from dataplane.attention import SMALL_QUERIES, attend, attend_few, offset_mask
 from dataplane.kv_cache import SeqKV
 
 GROUP_POSITIONS = 65536  # a group's padded keys: members x longest cache at most
@@ -59,6 +62,9 @@ class StreamPlan:
                 self.singles.append(c[0])
             else:
                 self.groups.append(self._group(c, dtype, device))
+        # a lone request of a few tokens (a verify at C=1): its mask once, not once per layer
+        self.single_masks = {b: offset_mask(e - s, st + e - s, self.g, kv_heads, dtype, device)
+                             for b, s, e, st in self.singles if 1 < e - s <= SMALL_QUERIES}
 
     def _group(self, members, dtype, device) -> _Group:
         G = len(members)
@@ -98,7 +104,10 @@ class StreamPlan:
             kv = kvs[b]
             kv.data[layer, :, :, start : start + e - s] = kv_new[:, :, s:e]
             kc, vc = kv.view(layer, start + e - s)
-            out[s:e] = attend(q[s:e], kc, vc, causal=True).reshape(e - s, -1)
+            if e - s <= SMALL_QUERIES:
+                out[s:e] = attend_few(q[s:e], kc, vc, self.single_masks.get(b)).reshape(e - s, -1)
+            else:
+                out[s:e] = attend(q[s:e], kc, vc, causal=True).reshape(e - s, -1)
         if not self.groups:
             return out.to(dtype)
         qs = q * (d**-0.5)

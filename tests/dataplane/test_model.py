@@ -108,3 +108,21 @@ def test_grouped_stream_attention_matches_separate_runs(tiny_target, monkeypatch
         assert torch.allclose(out.logits[cu[b] : cu[b + 1]], ref.logits[p:], atol=1e-5)
         assert torch.allclose(out.hidden[cu[b] : cu[b + 1]], ref.hidden[p:], atol=1e-5)
         assert kvs[b].length == len(s)
+
+
+@pytest.mark.parametrize("new", [1, 2, 16])
+def test_lone_request_continuing_its_cache_matches_one_run(tiny_target, new):
+    """A verify at C=1: one request brings ``new`` tokens after a cached prefix; its mask is
+    built once per forward (StreamPlan.single_masks) and must equal running the whole text."""
+    from dataplane import packed_attention
+
+    g = torch.Generator().manual_seed(new)
+    text = torch.randint(3, 97, (21 + new,), generator=g)
+    kv = tiny_target.new_cache(capacity=8)  # grows past its capacity: attention reads strided views
+    tiny_target.forward_packed(text[:21], [0, 21], [kv])
+    plan = packed_attention.StreamPlan([(0, new, 21)], 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert [b for b, *_ in plan.singles] == [0] and (0 in plan.single_masks) == (new > 1)
+    out = tiny_target.forward_packed(text[21:], [0, new], [kv], hidden_layers=(1,))
+    ref = tiny_target.forward_packed(text, [0, len(text)], [tiny_target.new_cache()], hidden_layers=(1,))
+    torch.testing.assert_close(out.logits, ref.logits[21:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.hidden, ref.hidden[21:], atol=1e-5, rtol=1e-5)
