@@ -26,6 +26,11 @@ def causal_offset_mask(n: int, total: int, device: torch.device) -> torch.Tensor
 SMALL_QUERIES = 64  # at most this many queries: attend_small
 
 
+def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool visibility ``see`` -> an additive mask of the same shape: 0 where seen, -inf elsewhere."""
+    return torch.zeros(see.shape, dtype=dtype, device=see.device).masked_fill_(~see, float("-inf"))
+
+
 def offset_mask(n: int, total: int, group: int, kv_heads: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """Additive causal mask [kv_heads, n * group, total] (an expanded view), 0 or -inf.
@@ -35,8 +40,7 @@ def offset_mask(n: int, total: int, group: int, kv_heads: int, dtype: torch.dtyp
     shared by every layer (``packed_attention.StreamPlan``).
     """
     see = causal_offset_mask(n, total, device).repeat_interleave(group, dim=0)  # [n*g, total]
-    mask = torch.zeros(see.shape, dtype=dtype, device=device).masked_fill_(~see, float("-inf"))
-    return mask.unsqueeze(0).expand(kv_heads, n * group, total)
+    return additive_mask(see, dtype).unsqueeze(0).expand(kv_heads, n * group, total)
 
 
 def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane.attention import SMALL_QUERIES, attend, attend_few, offset_mask
+from dataplane.attention import SMALL_QUERIES, additive_mask, attend, attend_few, offset_mask
 from dataplane.kv_cache import SeqKV
 
 GROUP_POSITIONS = 65536  # a group's padded keys: members x longest cache at most
@@ -79,7 +79,7 @@ class StreamPlan:
         q_pos = start.unsqueeze(1) + last  # [G, n_max] absolute position of each query
         see = torch.arange(l_max).view(1, 1, l_max) <= q_pos.unsqueeze(2)  # [G, n_max, l_max]
         see = see.repeat_interleave(self.g, dim=1)  # rows in (token, group member) order
-        mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, float("-inf"))
+        mask = additive_mask(see, dtype)
         mask = mask.unsqueeze(1).expand(G, self.kv_heads, n_max * self.g, l_max)
         slots = torch.arange(G * n_max).view(G, n_max)
         return _Group(
@@ -160,7 +160,7 @@ class BlockPlan:
             l_max = int(ctx.max())
             c = torch.arange(l_max + k).view(1, -1)
             see = (c < ctx.view(-1, 1)) | (c >= l_max)  # [G, l_max + k]
-            mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, float("-inf"))
+            mask = additive_mask(see, dtype)
             mask = mask.view(G, 1, 1, l_max + k).expand(G, kv_heads, k * self.g, l_max + k)
             rows = (torch.tensor(members).view(-1, 1) * k + torch.arange(k)).reshape(-1)
             self.groups.append((members, l_max, rows.to(device),
