@@ -60,9 +60,9 @@ def describe(precision_choice) -> dict:
 
 def cpu_kernels() -> dict:
     """Which of our CPU kernels serve bfloat16 products here (each only where it measured faster)."""
-    from dataplane.kernels import cpu_amx, cpu_gemv
+    from dataplane.kernels.cpu_linear import kernel_plan
 
-    return {"gemv_bf16_1_to_4_rows": cpu_gemv.pays(), "amx_bf16_5_to_256_rows": cpu_amx.pays()}
+    return kernel_plan().describe()
 
 
 def bound_ms(nbytes: int, bandwidth_gbs: float) -> float:

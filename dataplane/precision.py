@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from dataplane.kernels.cpu_info import cpu_flags, cpu_model
+from dataplane.kernels.cpu_info import cpu_flags, cpu_model, machine_busy
 from dataplane.kernels.cpu_linear import PackedLinear
 
 log = logging.getLogger("adaflash.precision")
@@ -80,14 +79,6 @@ def probe_ms(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     finally:
         torch.set_num_threads(threads)
     return {str(dt).removeprefix("torch."): 1e3 * t for dt, t in best.items()}
-
-
-def machine_busy() -> bool:
-    """More runnable work than cores (1-minute load average): a probe now is not kept."""
-    try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1)
-    except OSError:
-        return False
 
 
 def probe(flags: list[str] | None = None) -> PrecisionChoice:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dataplane.kernels.cpu_gemv import beats_onednn, bind_product, gemv_torch, load_kernel
+from dataplane.kernels.cpu_gemv import beats, bind_product, gemv_torch, kept_verdict, load_kernel
 from dataplane.kernels.cpu_info import cpu_flags
 
 log = logging.getLogger("adaflash.kernels")
@@ -62,35 +62,47 @@ def _lib():
     return bind_product(lib.adaflash_amx_gemm_bf16)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 (unit column stride) @ W^T with W packed by ``pack`` -> [M, N] bf16."""
+def tiled_product(kernel, x: torch.Tensor, packed: torch.Tensor, label: str) -> torch.Tensor:
+    """x [M, K] bf16 (unit column stride) @ W^T with W laid out by ``pack`` -> [M, N] bf16,
+    through ``kernel`` (a bound product on this layout: this module's or ``cpu_dpbf16``'s)."""
     m, k = x.shape
     n = packed.shape[0] * 16
     if packed.shape[1] * 32 != k or x.dtype != torch.bfloat16 or x.stride(1) != 1 or m < 1:
-        raise ValueError(f"gemm_amx refused x {tuple(x.shape)} packed {tuple(packed.shape)}")
+        raise ValueError(f"{label} refused x {tuple(x.shape)} packed {tuple(packed.shape)}")
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    if _lib()(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, y.data_ptr(), n, torch.get_num_threads()):
-        raise ValueError(f"gemm_amx refused x {tuple(x.shape)} packed {tuple(packed.shape)}")
+    if kernel(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k, y.data_ptr(), n, torch.get_num_threads()):
+        raise ValueError(f"{label} refused x {tuple(x.shape)} packed {tuple(packed.shape)}")
     return y
+
+
+def tiled_agrees(gemm, label: str) -> bool:
+    """``gemm(x, pack(w))`` agrees with ``gemv_torch`` (bf16 rounding of the output) over row
+    counts and a weight of one group of four blocks plus three single ones."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(112, 96, generator=g) * 0.1).to(torch.bfloat16)
+    p = pack(w)
+    for m in (1, 5, 9, 16, 17, 40):
+        x = torch.randn(m, 96, generator=g).to(torch.bfloat16)
+        if not torch.allclose(gemm(x, p).float(), gemv_torch(x, w).float(), atol=1e-2, rtol=1e-2):
+            log.warning("%s disagrees with the reference; not used", label)
+            return False
+    return True
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 (unit column stride) @ W^T with W packed by ``pack`` -> [M, N] bf16."""
+    return tiled_product(_lib(), x, packed, "gemm_amx")
 
 
 @functools.cache
 def available() -> bool:
     """The kernel loads here and agrees with the reference (bf16 rounding of the output)."""
-    if _lib() is None:
-        return False
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(112, 96, generator=g) * 0.1).to(torch.bfloat16)  # one block of four, three single blocks
-    p = pack(w)
-    for m in (1, 5, 16, 17, 40):
-        x = torch.randn(m, 96, generator=g).to(torch.bfloat16)
-        if not torch.allclose(gemm(x, p).float(), gemv_torch(x, w).float(), atol=1e-2, rtol=1e-2):
-            log.warning("AMX kernel disagrees with the reference; not used")
-            return False
-    return True
+    return _lib() is not None and tiled_agrees(gemm, "AMX kernel")
 
 
 @functools.cache
 def pays() -> bool:
-    """Measured here: 16 rows through the kernel beat oneDNN's prepacked product (``cpu_gemv.beats_onednn``)."""
-    return available() and beats_onednn(gemm, pack, 16, 0.95, "AMX kernel")
+    """16 rows through the kernel beat oneDNN's prepacked product (``cpu_gemv.beats``).
+
+    Measured once per machine and kept (``cpu_gemv.kept_verdict``)."""
+    return available() and kept_verdict(SOURCE, lambda: beats(gemm, pack, 16, 0.95, "AMX kernel"))

@@ -3,6 +3,7 @@ precision (``dataplane.precision``) and which kernels run (``dataplane.kernels.c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 WANTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "fma")
@@ -25,3 +26,11 @@ def cpu_flags() -> list[str]:
 
 def cpu_model() -> str:
     return _field("model name") or "unknown"
+
+
+def machine_busy() -> bool:
+    """More runnable work than cores (1-minute load average): a measurement taken now is not kept."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False

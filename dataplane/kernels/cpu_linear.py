@@ -7,10 +7,12 @@ prepacking the weight once (``torch.ops.mkldnn._reorder_linear_weight``) removes
 work from the step. Measured on a 2-core Xeon with AMX-BF16 (all 121 fused matrices of
 one SmolLM2-135M forward, 1/4/16 rows): eager bfloat16 19.3/20.8/21.1 ms, prepacked
 12.4/12.4/13.4 ms. In float32 the packed path is slower than MKL's one-row GEMM, so it is
-used for bfloat16 only. One to four rows go through our own streaming kernel
-(``dataplane.kernels.cpu_gemv``) and, on CPUs with AMX-BF16, the rows of verify and
-decode steps up to ``cpu_amx.MAX_ROWS`` through our AMX kernel (``dataplane.kernels.cpu_amx``),
-each where it is measured to beat oneDNN here.
+used for bfloat16 only. Decode and verify steps go through kernels of our own, each where
+it is measured to beat oneDNN here (``kernel_plan``): one to four rows through the
+streaming GEMV (``dataplane.kernels.cpu_gemv``), and up to 256 rows on the AMX B-tile
+layout, through the AMX kernel (``dataplane.kernels.cpu_amx``) on CPUs with AMX-BF16 or
+else through AVX512-BF16 dot products (``dataplane.kernels.cpu_dpbf16``), which also take
+one to four rows where they beat the GEMV.
 
 ``linear_torch`` is the reference; ``PackedLinear`` must equal it up to the rounding of
 the accumulation order (tested).
@@ -19,11 +21,13 @@ the accumulation order (tested).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from dataplane.kernels import cpu_amx, cpu_gemv
+from dataplane.kernels import cpu_amx, cpu_dpbf16, cpu_gemv
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,6 +56,36 @@ def mkldnn_packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which of our kernels serve bfloat16 products here.
+
+    ``gemv``: one to ``cpu_gemv.MAX_ROWS`` rows through the streaming GEMV. ``tiled``: the
+    module (``cpu_amx`` or ``cpu_dpbf16``) whose ``gemm`` serves up to its ``MAX_ROWS`` rows
+    on the B-tile layout (rows the GEMV takes go to the GEMV); None where neither pays.
+    """
+
+    gemv: bool
+    tiled: ModuleType | None
+
+    def describe(self) -> dict:
+        """The plan as the benchmark's machine report shows it."""
+        first = cpu_gemv.MAX_ROWS + 1 if self.gemv else 1
+        return {"gemv_bf16_rows": f"1-{cpu_gemv.MAX_ROWS}" if self.gemv else None,
+                "tiled_kernel": None if self.tiled is None else self.tiled.__name__.rsplit(".", 1)[-1],
+                "tiled_rows": None if self.tiled is None else f"{first}-{self.tiled.MAX_ROWS}"}
+
+
+@functools.cache
+def kernel_plan() -> KernelPlan:
+    """Decided once per process from the kernels' kept verdicts: AMX where it pays, else the
+    AVX512-BF16 kernel where it pays; the GEMV where it pays, unless the AVX512-BF16 kernel
+    also beats it at one row."""
+    tiled = cpu_amx if cpu_amx.pays() else cpu_dpbf16 if cpu_dpbf16.pays() else None
+    gemv = cpu_gemv.pays() and not (tiled is cpu_dpbf16 and cpu_dpbf16.serves_one_row())
+    return KernelPlan(gemv=gemv, tiled=tiled)
+
+
 class PackedLinear:
     """One weight matrix ready for the serving forward.
 
@@ -67,15 +101,18 @@ class PackedLinear:
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and mkldnn_packing_works(weight.dtype)):
             self.packed = mkldnn_packed(weight)
-        # one to four rows: our streaming kernel where it is measured to pay (cpu_gemv)
-        self.gemv = pack and bias is None and cpu_gemv.takes_weight(weight) and cpu_gemv.pays()
-        # up to cpu_amx.MAX_ROWS rows: the AMX kernel where the CPU has it and it pays (cpu_amx)
-        self.amx = (cpu_amx.pack(weight) if pack and bias is None and cpu_amx.takes_weight(weight)
-                    and cpu_amx.pays() else None)
+        ours = pack and bias is None and (cpu_gemv.takes_weight(weight) or cpu_amx.takes_weight(weight))
+        plan = kernel_plan() if ours else KernelPlan(gemv=False, tiled=None)
+        # up to tiled.MAX_ROWS rows: the AMX or AVX512-BF16 kernel on the B-tile layout, where it pays
+        self.tiled = plan.tiled if cpu_amx.takes_weight(weight) else None
+        self.tiles = None if self.tiled is None else cpu_amx.pack(weight)
+        # one to four rows: our streaming kernel where it is measured to pay (cpu_gemv), also
+        # for a weight the tiled kernel cannot take
+        self.gemv = ours and cpu_gemv.takes_weight(weight) and (plan.gemv or (self.tiled is None and cpu_gemv.pays()))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        if (self.packed is None and not self.gemv and self.amx is None) or x.dtype != self.weight.dtype:
+        if (self.packed is None and not self.gemv and self.tiled is None) or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
@@ -84,8 +121,8 @@ class PackedLinear:
         rows = x.shape[0]
         if self.gemv and rows <= cpu_gemv.MAX_ROWS:
             y = cpu_gemv.gemv(x, self.weight)
-        elif self.amx is not None and rows <= cpu_amx.MAX_ROWS:
-            y = cpu_amx.gemm(x, self.amx)
+        elif self.tiled is not None and rows <= self.tiled.MAX_ROWS:
+            y = self.tiled.gemm(x, self.tiles)
         elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:

@@ -64,13 +64,13 @@ def test_packed_linear_routes_verify_rows_through_the_kernel_where_it_pays(rows,
     w = (torch.randn(320, 576, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     lin = PackedLinear(w)
-    assert (lin.amx is not None) == cpu_amx.pays()
+    assert (lin.tiled is cpu_amx) == cpu_amx.pays()
     calls = []
     real = cpu_amx.gemm
     monkeypatch.setattr(cpu_amx, "gemm", lambda a, b: calls.append(a.shape[0]) or real(a, b))
     got = lin(x)
     by_gemv = lin.gemv and rows <= cpu_gemv.MAX_ROWS
-    assert calls == ([rows] if lin.amx is not None and not by_gemv else [])
+    assert calls == ([rows] if lin.tiled is cpu_amx and not by_gemv else [])
     torch.testing.assert_close(got.float(), linear_torch(x, w).float(), atol=2e-2, rtol=1e-2)
 
 

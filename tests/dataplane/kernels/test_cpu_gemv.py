@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dataplane.kernels import cpu_gemv
-from dataplane.kernels.cpu_linear import PackedLinear, linear_torch
+from dataplane.kernels.cpu_linear import PackedLinear, kernel_plan, linear_torch
 from dataplane.precision import cpu_flags
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
@@ -56,7 +56,7 @@ def test_packed_linear_routes_few_rows_through_the_kernel_where_it_pays(rows, mo
     w = (torch.randn(320, 576, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     lin = PackedLinear(w)
-    assert lin.gemv == cpu_gemv.pays()
+    assert lin.gemv == kernel_plan().gemv
     calls = []
     real = cpu_gemv.gemv
     monkeypatch.setattr(cpu_gemv, "gemv", lambda a, b: calls.append(a.shape[0]) or real(a, b))
@@ -72,3 +72,37 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert cpu_gemv._lib() is None
     finally:
         cpu_gemv._lib.cache_clear()
+
+
+def test_a_verdict_measured_on_a_quiet_machine_is_kept_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setitem(cpu_gemv._CACHE, "dir", tmp_path)
+    monkeypatch.setattr(cpu_gemv, "machine_busy", lambda: False)
+    calls = []
+
+    def measure(answer):
+        return lambda: calls.append(answer) or answer
+
+    assert cpu_gemv.kept_verdict(cpu_gemv.SOURCE, measure(True)) is True
+    # the next start reads the kept verdict back instead of measuring (which would say False now)
+    assert cpu_gemv.kept_verdict(cpu_gemv.SOURCE, measure(False)) is True
+    assert calls == [True]
+    path = cpu_gemv.verdict_file(cpu_gemv.SOURCE)
+    assert path.parent == tmp_path / "verdicts" and path.is_file()
+    # another kernel source has its own verdict
+    other = tmp_path / "other_kernel.c"
+    other.write_text("int f(void) { return 0; }\n")
+    assert cpu_gemv.kept_verdict(other, measure(False)) is False
+    assert calls == [True, False]
+    # an unreadable verdict is measured again and replaced
+    path.write_text("{not json")
+    assert cpu_gemv.kept_verdict(cpu_gemv.SOURCE, measure(False)) is False
+    assert cpu_gemv.kept_verdict(cpu_gemv.SOURCE, measure(True)) is False
+    assert calls == [True, False, False]
+
+
+def test_a_verdict_measured_on_a_busy_machine_holds_for_this_process_only(tmp_path, monkeypatch):
+    monkeypatch.setitem(cpu_gemv._CACHE, "dir", tmp_path)
+    monkeypatch.setattr(cpu_gemv, "machine_busy", lambda: True)
+    assert cpu_gemv.kept_verdict(cpu_gemv.SOURCE, lambda: True) is True
+    assert not cpu_gemv.verdict_file(cpu_gemv.SOURCE).exists()
+    assert cpu_gemv.kept_verdict(cpu_gemv.SOURCE, lambda: False) is False
