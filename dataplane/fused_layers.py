@@ -5,7 +5,8 @@ costs a few microseconds more: one step of SmolLM2-135M made 211 matrix products
 about 900 small element-wise calls. Here q/k/v are one matrix and gate/up another (121
 products a step), bfloat16 weights are prepacked for oneDNN
 (``dataplane.kernels.cpu_linear``), the rotary tables are cast once per forward, q and k
-rotate together, and the norms are single calls. The module parameters of
+rotate together, and in bfloat16 on CPU the norms and the rotation are one call each
+into C (``dataplane.kernels.cpu_elementwise``). The module parameters of
 ``dataplane.model`` stay the source of truth and become views of the fused matrices, so
 the reference path (batch-invariant numerics) and state dicts see the same weights.
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dataplane.kernels.cpu_elementwise import rms_norm, rotary
 from dataplane.kernels.cpu_linear import PackedLinear
 
 
@@ -52,15 +54,14 @@ class FusedLayer:
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """x [T, H]; cos, sin [T, 1, d] in x's dtype; attend(q, k, v) -> [T, heads * d]."""
         T, hd = x.shape[0], self.head_dim
-        h = F.rms_norm(x, (x.shape[1],), self.ln1.weight, self.ln1.eps)
+        h = rms_norm(x, self.ln1.weight, self.ln1.eps)
         qkv = self.qkv(h).view(T, self.heads + 2 * self.kv_heads, hd)
         qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])], dim=1)
-        half = hd // 2
-        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+        qk = rotary(qk, cos, sin)
         x = x + self.o(attend(qk[:, : self.heads], qk[:, self.heads :], v))
-        h = F.rms_norm(x, (x.shape[1],), self.ln2.weight, self.ln2.eps)
+        h = rms_norm(x, self.ln2.weight, self.ln2.eps)
         gu = self.gate_up(h)
         return x + self.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
 

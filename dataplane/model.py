@@ -19,6 +19,7 @@ from torch import nn
 
 from dataplane.attention import attend
 from dataplane.fused_layers import FusedModel, fused_key
+from dataplane.kernels.cpu_elementwise import rms_norm
 from dataplane.kv_cache import SeqKV
 from dataplane.layers import MLP, RMSNorm, Rotary, apply_rotary, chunked_linear
 from dataplane.packed_attention import StreamPlan
@@ -302,7 +303,8 @@ class TargetModel(nn.Module):
         logits = None
         if logits_index is None or logits_index.numel():
             h = x[:T] if logits_index is None else x[logits_index]
-            h = self.model.norm(h)
+            norm = self.model.norm
+            h = norm(h) if rows or self.reference else rms_norm(h, norm.weight, norm.eps)
             # Few rows want logits (one per request in a prefill): the small size suffices.
             if rows:
                 logits = chunked_linear(self.lm_head, h, BI_DECODE_ROWS)
