@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--min-requests", type=int, default=4)
     t.add_argument("--drafter", default=None, help="drafter bundle directory, or 'random' (one that never pays)")
     t.add_argument("--llama-gguf", default=None,
-                   help="GGUF of the target at the served precision: compare ar with llama.cpp (llama-cpp-python)")
+                   help="GGUF of the target at the served precision, or 'auto' (the packaged target re-written at "
+                        "the served precision, cached): compare ar with llama.cpp (llama-cpp-python)")
     t.add_argument("--no-transformers", action="store_true", help="skip the transformers generate baseline")
     t.add_argument("--repeats", type=int, default=1,
                    help="runs of every mode and concurrency, taking turns; reports each speedup's spread")
@@ -83,7 +84,7 @@ def throughput(args, settings) -> int:
         raise CliError("--max-tokens must be positive")
     if args.repeats < 1:
         raise CliError("--repeats must be positive")
-    if args.llama_gguf and not Path(args.llama_gguf).is_file():
+    if args.llama_gguf and args.llama_gguf != "auto" and not Path(args.llama_gguf).is_file():
         raise CliError(f"GGUF file not found: {args.llama_gguf}")
     if args.prompts and not Path(args.prompts).is_file():
         raise CliError(f"prompts file not found: {args.prompts}")

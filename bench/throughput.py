@@ -178,11 +178,24 @@ def _baselines(node, dp, settings, tok, by_domain, max_tokens: int, llama_gguf: 
     out = {"precision": str(dtype).removeprefix("torch."), "prompts": len(sample), "ours_ar_tps": ours,
            "transformers_tps": hf, "ar_vs_transformers": ours / hf}
     if llama_gguf and llama_cpp_available():
+        if llama_gguf == "auto":  # the packaged target re-written at the served precision, kept in the cache
+            llama_gguf = str(_served_gguf(out["precision"]))
         lc = llama_cpp_tps(Path(llama_gguf), sample, max_tokens, torch.get_num_threads())
         out.update({"llama_cpp_gguf": Path(llama_gguf).name, "llama_cpp_tps": lc, "ar_vs_llama_cpp": ours / lc})
     else:
         out["llama_cpp_tps"] = None
     return out
+
+
+def _served_gguf(precision: str) -> Path:
+    """A GGUF of the packaged target at ``precision``, written once under the cache."""
+    from adaflash.config import default_cache
+    from bench.gguf_precision import packaged_gguf, write_at_precision
+
+    path = default_cache() / "models" / f"SmolLM2-135M-Instruct.{precision}.gguf"
+    if not path.is_file():
+        write_at_precision(packaged_gguf(), path, precision)
+    return path
 
 
 def run(settings: Settings, prompts_path: str | None, modes: list[str], concurrency: list[int], max_tokens: int,
