@@ -315,7 +315,7 @@ class TargetModel(nn.Module):
     def _fused_layers(self, x, cos, sin, kvs, bounds, want, hidden) -> torch.Tensor:
         """Default numerics: every layer through ``dataplane.fused_layers`` (same math, fewer calls)."""
         a, T = self.args, x.shape[0]
-        plan = StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype, x.device)
+        plan = StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype, x.device, fast=True)
         cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [T, 1, d]
         for i, layer in enumerate(self.fused().layers):
             x = layer.forward(x, cos, sin, lambda q, k, v, i=i: plan.attend(i, q, k, v, kvs))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dataplane.attention import SMALL_QUERIES, additive_mask, attend, attend_few, offset_mask
+from dataplane.kernels import cpu_attention
 from dataplane.kv_cache import SeqKV
 
 GROUP_POSITIONS = 65536  # a group's padded keys: members x longest cache at most
@@ -45,10 +46,13 @@ class StreamPlan:
     """How one packed forward attends; built by ``TargetModel`` once per call.
 
     bounds: per request (stream start, stream end, cache start), as the model's forward.
+    fast: a lone request of a few tokens attends through ``kernels.cpu_attention`` where it
+    takes the shapes (the serving forward); off, through PyTorch (the reference path).
     """
 
     def __init__(self, bounds: list[tuple[int, int, int]], heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, fast: bool = False):
+        self.fast = fast and device.type == "cpu"
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.g = heads // kv_heads
         self.singles: list[tuple[int, int, int, int]] = []
@@ -97,6 +101,11 @@ class StreamPlan:
         T, d = q.shape[0], self.head_dim
         kvh, g = self.kv_heads, self.g
         dtype = q.dtype
+        if self.fast and not self.groups and self._kernel_takes(layer, q, k, v, kvs):
+            out = q.new_empty(T, self.heads * d)
+            for b, s, e, start in self.singles:
+                cpu_attention.attend_cached(q[s:e], k[s:e], v[s:e], kvs[b].data[layer], start, out=out[s:e])
+            return out
         q = q.to(kvs[0].data.dtype) if kvs else q  # attention runs in the cache's precision
         out = q.new_empty(T, self.heads * d)
         kv_new = torch.stack((k, v)).transpose(1, 2)  # [2, kv_heads, T, d]
@@ -124,6 +133,12 @@ class StreamPlan:
             og = torch.bmm(probs, vals).view(G, kvh, grp.n_max, g, d).transpose(1, 2).reshape(G * grp.n_max, -1)
             out.index_copy_(0, grp.stream_rows, og.index_select(0, grp.slot_rows))
         return out.to(dtype)
+
+
+    def _kernel_takes(self, layer, q, k, v, kvs) -> bool:
+        return all(e - s <= cpu_attention.MAX_QUERIES
+                   and cpu_attention.takes(q[s:e], k[s:e], v[s:e], kvs[b].data[layer])
+                   for b, s, e, _ in self.singles)
 
 
 def _chunks(lengths: list[int], per_member_extra: int) -> list[list[int]]:
