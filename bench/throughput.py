@@ -223,15 +223,20 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
     for p in prompts:
         ids = tok.encode(tok.apply_chat([{"role": "user", "content": p["prompt"]}]))[: dp.max_prompt_tokens]
         by_domain.setdefault(p["domain"], []).append(ids)
-    warm = _engine(node, dp, "adaptive" if drafter else "ar", drafter, version, settings, tok)
-    run_closed_loop(warm, [ids[0] for ids in by_domain.values()], 2, 8)  # first calls allocate and lay out
+    # One engine per mode for the whole run, as a node that stays up keeps its engine: its
+    # policy state (calibration, back-off), measured cost curve and admission EMA carry from
+    # one run to the next. Each is warmed up before its first measured run.
+    engines: dict[str, object] = {}
+    for mode in modes:
+        engines[mode] = _engine(node, dp, mode, drafter, version, settings, tok)
+        run_closed_loop(engines[mode], [ids[0] for ids in by_domain.values()], 2, 8)  # allocate, lay out
     rows, outputs = [], {}
     # repeats go round every mode in turn, so a slow spell of a shared machine hits each mode alike
     jobs = [(m, c, d, k) for c in concurrency for k in range(repeats) for m in modes for d in by_domain]
     for mode, c, domain, k in tqdm(jobs, desc="throughput", unit="run"):
         ids = by_domain[domain]
         batch = [ids[i % len(ids)] for i in range(max(min_requests, c))]
-        r = run_closed_loop(_engine(node, dp, mode, drafter, version, settings, tok), batch, c, max_tokens)
+        r = run_closed_loop(engines[mode], batch, c, max_tokens)
         outputs[(mode, c, domain, k)] = r.pop("outputs")
         rows.append({"mode": mode, "concurrency": c, "domain": domain, "repeat": k, **r})
     _aggregate(rows, concurrency, modes)
