@@ -64,6 +64,7 @@ class Demo:
         self.phase = "setup"
         self.baseline_version: str | None = None
         self.promoted: str | None = None
+        self.figures: dict | None = None  # the promoted version's predicted / realised figures
         self.node_drafter: dict = {}
         self.log: list[str] = []  # every event (the live view shows the last ones)
         self.plain = False  # not a terminal: events as plain lines instead of a live view
@@ -202,6 +203,7 @@ class Demo:
                            f"{self.node_drafter.get('version')} after {_dur(time.monotonic() - self.started)}")
                 self.phase = f"after: measuring on {self.promoted}"
                 after = self.measure(ev)
+                self.figures = self.promoted_figures()
             else:
                 self.event(f"deadline of {self.args.timeout:.0f}s passed without a promotion")
             stop.set()
@@ -232,6 +234,21 @@ class Demo:
             console.print(f"tenant policies set; waiting {wait:.0f}s for the node to pick them up "
                           "(governance.policy_ttl_s)")
             time.sleep(wait)
+
+    def promoted_figures(self, wait_s: float = 30.0) -> dict | None:
+        """The promoted version's shadow-predicted and realised (live, from the nodes' heartbeats)
+        figures as the control plane's version page shows them; waits up to ``wait_s`` for the
+        heartbeats that followed the after-measurement."""
+        deadline = time.monotonic() + wait_s
+        fig = None
+        while True:
+            try:
+                fig = self.cp.get_version(self.promoted).figures.model_dump(mode="json")
+            except (ControlPlaneError, httpx.HTTPError):
+                pass
+            if (fig and fig.get("realised_samples")) or time.monotonic() > deadline:
+                return fig
+            time.sleep(2.0)
 
     def node_admin_drafter(self) -> dict:
         """The node's own view of what it serves (GET /admin/drafter, admin key)."""
@@ -308,7 +325,13 @@ class Demo:
             console.print(f"promotion: {self.baseline_version} -> {self.promoted} (node /admin/drafter: "
                           f"{self.node_drafter.get('version')}; after-measurement served by "
                           f"{', '.join(after_versions) or '-'}); demo took {_dur(elapsed)}")
+        fig = self.figures or {}
+        if fig.get("tau_ratio") is not None:
+            console.print(f"{self.promoted}: shadow-predicted tau {fig['predicted_tau']:.3f}, live tau the nodes "
+                          f"reported {fig['realised_tau']:.3f} over {fig['realised_samples']} heartbeats "
+                          f"(ratio {fig['tau_ratio']:.3f}; GET /api/v1/versions/{self.promoted} shows both)")
         summary = {"baseline_version": self.baseline_version, "promoted_version": self.promoted,
+                   "predicted_realised": fig or None,
                    "node_admin_drafter": self.node_drafter, "after_served_by": after_versions,
                    "elapsed_s": round(elapsed, 1), "rows": rows,
                    "versions": {v: {k: x for k, x in row.items() if not k.startswith("_")}
