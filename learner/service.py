@@ -57,6 +57,7 @@ from adaflash.telemetry import (
     tracer,
 )
 from dataplane.runner import ModelRunner
+from dataplane.spec_policy import PolicyConfig
 from dataplane.target_cache import ensure_target, target_identity
 from dataplane.tokenizer import Tokenizer
 from learner.buffer import DROPPED, Item, PolicySource, ReplayBuffer
@@ -92,7 +93,7 @@ class Learner:
         self.supervisor = Supervisor(self.target, Tokenizer(tdir), self.identity, drafter.config.target_layers,
                                      self.cfg.max_record_tokens, self.cfg.min_response_tokens,
                                      self.cfg.supervise_chunk_tokens, self.cfg.prompt_format)
-        self.trainer = Trainer(drafter, self.supervisor, self.cfg)
+        self.trainer = Trainer(drafter, self.supervisor, self.cfg, PolicyConfig.of(settings.dataplane))
         self.store = CheckpointStore(state_dir(settings), keep=self.cfg.keep_checkpoints)
         if self.store.load_into(drafter, self.trainer.opt):
             log.info("resumed at step %s", self.store.step)
