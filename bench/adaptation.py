@@ -313,9 +313,9 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
     from dataplane.drafter_io import load_bundle, save_bundle
     from dataplane.node import STARTER_DIR
-    from dataplane.runner import ModelRunner
+    from dataplane.runner import load_training_target
     from dataplane.spec_policy import PolicyConfig
-    from dataplane.target_cache import ensure_target, target_identity
+    from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
     from learner.supervision import Supervisor
     from learner.trainer import Trainer
@@ -324,9 +324,8 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
     nd = NARROW_DOMAINS[domain]
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    tdir = ensure_target(settings)
+    tdir, target = load_training_target(settings)
     identity = target_identity(tdir)
-    target = ModelRunner.training(settings).load_target(tdir)
     tok = Tokenizer(tdir)
     bundle = Path(drafter_dir) if drafter_dir else STARTER_DIR
     starter, _ = load_bundle(bundle, target, identity)

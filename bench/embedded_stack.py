@@ -214,7 +214,7 @@ def tiny_target_dir(root: Path, real_target_dir: Path) -> Path:
 
 def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides: dict | None = None,
                 approval: str = "required", max_model_len: int = 512) -> Stack:
-    from dataplane.model import TargetModel
+    from dataplane.runner import ModelRunner
     from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
 
@@ -232,7 +232,7 @@ def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides
     cp.heartbeat_timeout_s = 2.0
     cp.rollout_lease_s = 1.0
     cp.feedback_source = "none"
-    target = TargetModel.from_pretrained(target_dir)
+    target = ModelRunner.reference().load_target(target_dir)  # float32 on CPU, for the nodes and the evaluator
     tokenizer = Tokenizer(target_dir)
     identity = target_identity(target_dir)
     settings.model.target_id = identity["id"]
