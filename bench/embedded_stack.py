@@ -19,6 +19,7 @@ import httpx
 import uvicorn
 import yaml
 
+from adaflash import credentials
 from adaflash.config import Settings, load_config
 from adaflash.contracts.manifest import Lineage
 from controlplane.api import create_app as create_cp_app
@@ -239,7 +240,10 @@ def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides
     registry = Registry(cp.mlflow_tracking_uri, identity["id"], artifact_root=root / "mlartifacts")
     app = create_cp_app(settings)
     server = LiveServer(app).__enter__()
-    admin = {"Authorization": f"Bearer {(home / 'admin-token').read_text().strip()}"}
+    token = credentials.lookup(credentials.controlplane_admin(settings))  # written by create_cp_app
+    if not token:
+        raise RuntimeError(f"the control plane wrote no admin key at {credentials.controlplane_admin(settings).path}")
+    admin = {"Authorization": f"Bearer {token}"}
     policy = load_policy(cp.policy_file)
     evaluator = ShadowEvaluator(settings, app.state.sessions, registry, policy, RecordsWindow(records),
                                 target=target, tokenizer=tokenizer, target_identity=identity, retry_s=1.0)
