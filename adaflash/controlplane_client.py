@@ -35,12 +35,15 @@ from adaflash.contracts.admin_api import (
     DeletionIn,
     DeletionOut,
     DeletionScope,
+    DesiredOut,
     EvaluationOut,
     HeartbeatIn,
     HeartbeatOut,
     KeyCreated,
     KeyIn,
     NodeOut,
+    NodeRole,
+    NodeUpdate,
     PinIn,
     PinOut,
     PromotionOut,
@@ -159,6 +162,14 @@ class ControlPlaneClient:
 
     def get_node(self, node_id: str) -> NodeOut:
         return self._call(NodeOut, "GET", f"/nodes/{_seg(node_id)}")
+
+    def set_node_role(self, node_id: str, role: NodeRole | str) -> NodeOut:
+        """Make a node a canary or a regular node (admin)."""
+        return self._call(NodeOut, "PUT", f"/nodes/{_seg(node_id)}", body=NodeUpdate(role=NodeRole(role)))
+
+    def desired(self, node_id: str) -> DesiredOut | None:
+        """The drafter version the node should serve; None: it keeps serving what it has."""
+        return self._call(DesiredOut | None, "GET", f"/nodes/{_seg(node_id)}/desired")
 
     def heartbeat(self, node_id: str, beat: HeartbeatIn) -> HeartbeatOut:
         """A node's heartbeat (node role); the answer names the version it should serve."""

@@ -39,6 +39,7 @@ PAPER.md's Figure 2(a)).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -242,14 +243,16 @@ def measure_cost(target, drafter, prompt_ids: list[int], k: int, repeats: int = 
 
 
 @torch.no_grad()
-def score(drafter, sups, cost: StepCost) -> dict:
-    """Held-out tau, modelled adaptive TPS at concurrency 1 and head MAE (see module doc)."""
+def score(drafter, sups, cost: StepCost, policy=None) -> dict:
+    """Held-out tau, modelled adaptive TPS at concurrency 1 and head MAE (see module doc).
+
+    ``policy``: the node's configured ``PolicyConfig`` (None: the defaults), walked at the drafter's block size."""
     from dataplane import spec_policy as sp
     from learner.trainer import greedy_accepted
 
     cm = cost.as_cost_model()
     k = drafter.config.block_size
-    policy = sp.PolicyConfig(block_size=k)
+    policy = dataclasses.replace(policy or sp.PolicyConfig(), block_size=k)
     was_training = drafter.training
     drafter.eval()
     rounds = accepted = first = 0
@@ -310,8 +313,9 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
     from dataplane.drafter_io import load_bundle, save_bundle
     from dataplane.node import STARTER_DIR
-    from dataplane.runner import ModelRunner
-    from dataplane.target_cache import ensure_target, target_identity
+    from dataplane.runner import load_training_target
+    from dataplane.spec_policy import PolicyConfig
+    from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
     from learner.supervision import Supervisor
     from learner.trainer import Trainer
@@ -320,13 +324,13 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
     nd = NARROW_DOMAINS[domain]
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    tdir = ensure_target(settings)
+    tdir, target = load_training_target(settings)
     identity = target_identity(tdir)
-    target = ModelRunner.training(settings).load_target(tdir)
     tok = Tokenizer(tdir)
     bundle = Path(drafter_dir) if drafter_dir else STARTER_DIR
     starter, _ = load_bundle(bundle, target, identity)
     lc = settings.learner.model_copy(update=learner_overrides or {})
+    policy = dataclasses.replace(PolicyConfig.of(settings.dataplane), mode="adaptive")  # what tps_model models
     cache = Path(settings.cache)
 
     stream_p = nd.stream(rounds * records_per_round)
@@ -347,7 +351,7 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         bar.update()
     cost = measure_cost(target, starter, held[0].prompt_ids + held[0].output_ids[:8], starter.config.block_size)
 
-    frozen = score(starter, held_sups, cost)
+    frozen = score(starter, held_sups, cost, policy)
     curves: dict[str, list[dict]] = {"frozen": [{"update": 0, "records": 0, **frozen}]}
     finals = {"frozen": starter}
     train_s: dict[str, float] = {}
@@ -356,13 +360,13 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
             continue
         d = copy.deepcopy(starter)
         cfg = LearnerConfig(**(lc.model_dump() | {"loss": LOSS_OF[method]}))
-        trainer = Trainer(d, sup, cfg)
+        trainer = Trainer(d, sup, cfg, policy)
         rows = [{"update": 0, "records": 0, **frozen}]
         t0 = time.time()
         for u in tqdm(range(1, rounds + 1), desc=f"{method} updates", unit="update"):
             buf = stream_sups[(u - 1) * records_per_round: u * records_per_round]
             parts = trainer.train_buffer(buf, step=u)
-            rows.append({"update": u, "records": u * records_per_round, **score(d, held_sups, cost),
+            rows.append({"update": u, "records": u * records_per_round, **score(d, held_sups, cost, policy),
                          "train": {k: round(v, 5) for k, v in parts.items()}})
         train_s[method] = round(time.time() - t0, 1)
         d.eval().requires_grad_(False)

@@ -19,8 +19,11 @@ import httpx
 import uvicorn
 import yaml
 
+from adaflash import credentials
 from adaflash.config import Settings, load_config
+from adaflash.contracts.admin_api import VersionDetail
 from adaflash.contracts.manifest import Lineage
+from adaflash.controlplane_client import ControlPlaneClient
 from controlplane.api import create_app as create_cp_app
 from controlplane.gates import DEFAULT_POLICY_PATH, load_policy
 from controlplane.registry import Registry, publish_candidate
@@ -102,7 +105,7 @@ class Stack:
     settings: Settings
     registry: Registry
     cp: LiveServer
-    admin: dict[str, str]
+    admin_token: str
     target: object
     tokenizer: object
     identity: dict
@@ -112,16 +115,22 @@ class Stack:
     nodes: dict[str, ServingNode] = field(default_factory=dict)
     node_keys: dict[str, str] = field(default_factory=dict)
     reconcile_interval_s: float = 0.25
+    clients: list[ControlPlaneClient] = field(default_factory=list)
+    admin: ControlPlaneClient = field(init=False)  # the admin's typed client of the control plane's API
+
+    def __post_init__(self) -> None:
+        self.admin = self.client(self.admin_token)
 
     # -- control plane --
-    def api(self, method: str, path: str, headers: dict | None = None, **kw) -> httpx.Response:
-        return httpx.request(method, f"{self.cp.url}/api/v1{path}", headers=headers or self.admin, timeout=30, **kw)
+    def client(self, token: str) -> ControlPlaneClient:
+        """A typed client of the control plane's API with ``token`` (closed with the stack)."""
+        c = ControlPlaneClient(self.cp.url, token)
+        self.clients.append(c)
+        return c
 
-    def key(self, role: str, node_id: str | None = None) -> dict[str, str]:
-        r = self.api("POST", "/keys", json={"name": f"{role}-{node_id or ''}", "role": role, "tenants": [],
-                                            "node_id": node_id})
-        assert r.status_code == 201, r.text
-        return {"Authorization": f"Bearer {r.json()['key']}"}
+    def key(self, role: str, node_id: str | None = None) -> str:
+        """A new API key of ``role`` (a node key names its node)."""
+        return self.admin.create_key(f"{role}-{node_id or ''}", role, node_id=node_id).key
 
     def drive(self, cond: Callable[[], bool], timeout: float = 60.0, what: str = "", shadow: bool = True,
               workers: Workers | None = None) -> float:
@@ -138,13 +147,11 @@ class Stack:
                 raise TimeoutError(f"not reached in {timeout:g} s: {what}")
             time.sleep(0.05)
 
-    def version(self, v: str) -> dict:
-        r = self.api("GET", f"/versions/{v}")
-        assert r.status_code == 200, r.text
-        return r.json()
+    def version(self, v: str) -> VersionDetail:
+        return self.admin.get_version(v)
 
     def state(self, v: str) -> str:
-        return self.version(v)["state"]
+        return self.version(v).state
 
     # -- drafters --
     def bundle(self, name: str, seed: int, lineage: Lineage | None = None, version: str | None = None) -> Path:
@@ -179,7 +186,7 @@ class Stack:
         node.engine.start()
         server = LiveServer(create_app(node, NODE_ADMIN_TOKEN)).__enter__()
         if node_id not in self.node_keys:
-            self.node_keys[node_id] = self.key("node", node_id)["Authorization"].split(" ", 1)[1]
+            self.node_keys[node_id] = self.key("node", node_id)
         rec = Reconciler(node, self.cp.url, self.node_keys[node_id], server.url, self.reconcile_interval_s)
         rec.tick()  # registers the node before the caller goes on
         rec.start()
@@ -197,6 +204,8 @@ class Stack:
         for nid in list(self.nodes):
             self.stop_node(nid)
         self.workers.stop(timeout_s=5)
+        for c in self.clients:
+            c.close()
         self.cp.__exit__()
 
 
@@ -214,7 +223,7 @@ def tiny_target_dir(root: Path, real_target_dir: Path) -> Path:
 
 def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides: dict | None = None,
                 approval: str = "required", max_model_len: int = 512) -> Stack:
-    from dataplane.model import TargetModel
+    from dataplane.runner import ModelRunner
     from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
 
@@ -232,14 +241,16 @@ def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides
     cp.heartbeat_timeout_s = 2.0
     cp.rollout_lease_s = 1.0
     cp.feedback_source = "none"
-    target = TargetModel.from_pretrained(target_dir)
+    target = ModelRunner.reference().load_target(target_dir)  # float32 on CPU, for the nodes and the evaluator
     tokenizer = Tokenizer(target_dir)
     identity = target_identity(target_dir)
     settings.model.target_id = identity["id"]
     registry = Registry(cp.mlflow_tracking_uri, identity["id"], artifact_root=root / "mlartifacts")
     app = create_cp_app(settings)
     server = LiveServer(app).__enter__()
-    admin = {"Authorization": f"Bearer {(home / 'admin-token').read_text().strip()}"}
+    token = credentials.lookup(credentials.controlplane_admin(settings))  # written by create_cp_app
+    if not token:
+        raise RuntimeError(f"the control plane wrote no admin key at {credentials.controlplane_admin(settings).path}")
     policy = load_policy(cp.policy_file)
     evaluator = ShadowEvaluator(settings, app.state.sessions, registry, policy, RecordsWindow(records),
                                 target=target, tokenizer=tokenizer, target_identity=identity, retry_s=1.0)
@@ -249,7 +260,7 @@ def build_stack(root: Path, target_dir: Path, records: list, *, policy_overrides
                       reconciler=reconciler)
     bundles = root / "bundles"
     bundles.mkdir()
-    return Stack(settings, registry, server, admin, target, tokenizer, identity, Path(target_dir), workers, bundles)
+    return Stack(settings, registry, server, token, target, tokenizer, identity, Path(target_dir), workers, bundles)
 
 
 def feedback_records(tokenizer, n: int = 12, now=None, target_id: str = "tiny-llama") -> list:

@@ -76,7 +76,7 @@ def run(target: str = "tiny", out: Path = Path("out/bench-promotion"), swaps: in
         starter = st.bundle("starter", seed=0, version="starter")
         st.start_node("node-a", starter)
         st.start_node("node-b", starter)
-        st.api("PUT", "/nodes/node-a", json={"role": "canary"})
+        st.admin.set_node_role("node-a", "canary")
         st.workers.start()
         with Traffic(st) as traffic:
             # First drafter, to have a champion to replace.

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
+from adaflash.controlplane_client import ControlPlaneClient, ControlPlaneError, ControlPlaneUnreachable
 
 FAULTS = ("corrupt", "broker", "learner", "controlplane", "node", "scrubber", "rollback")
 PART_OF = {"broker": "broker", "learner": "learner", "controlplane": "controlplane", "node": "dataplane-2"}
@@ -126,27 +126,30 @@ class Injector:
         previous one, else a canary in flight (it gives way to the champion it was replacing).
         ``f.t`` is when it happened."""
         ep = self._state().get("endpoints", {})
-        api, hdr = ep["controlplane_api"], {"Authorization": f"Bearer {self.admin}"}
+        with ControlPlaneClient(ep["controlplane_api"], self.admin) as cp:
+            self._roll_back(f, cp, poll_s)
+
+    def _roll_back(self, f: Fault, cp: ControlPlaneClient, poll_s: float) -> None:
         asked = f.t
         while True:
             try:
-                versions = httpx.get(f"{api}/versions", headers=hdr, timeout=10).json()
-            except httpx.HTTPError:  # the control plane may be the part just killed
+                versions = cp.list_versions()
+            except ControlPlaneError:  # the control plane may be the part just killed
                 versions = []
-            champ = next((v["version"] for v in versions if "champion" in (v.get("aliases") or [])), None)
-            prev = next((v["version"] for v in versions if "previous" in (v.get("aliases") or [])), None)
-            canary = next((v["version"] for v in versions if v.get("state") == "canary"), None)
+            champ = next((v.version for v in versions if "champion" in v.aliases), None)
+            prev = next((v.version for v in versions if "previous" in v.aliases), None)
+            canary = next((v.version for v in versions if v.state == "canary"), None)
             target = canary if canary is not None and champ is not None else (champ if prev is not None else None)
             if target is not None:
                 f.t = self.now()
-                r = httpx.post(f"{api}/versions/{target}/rollback", headers=hdr,
-                               json={"reason": "soak: operator rollback"}, timeout=30)
-                if r.status_code < 300:
+                try:
+                    promo = cp.rollback(target, "soak: operator rollback")
                     waited = f" (waited {f.t - asked:.0f}s for a promotion)" if f.t - asked >= 1 else ""
                     back_to = champ if target == canary else prev
-                    f.ok, f.detail = True, f"rollback of {target} to {back_to}: HTTP {r.status_code}{waited}"
+                    f.ok, f.detail = True, f"rollback of {target} to {back_to}: promotion {promo.id}{waited}"
                     return
-                f.detail = f"rollback of {target}: HTTP {r.status_code} {r.text[:200]}"  # raced a rollout: again
+                except ControlPlaneError as e:  # raced a rollout, or the control plane is down: again
+                    f.detail = f"rollback of {target}: {e}"[:300]
             if self.now() + poll_s > self.rollback_by:
                 f.detail = (f.detail or f"skipped: champion {champ}, nothing to roll back to") + \
                     f" (gave up at t={self.rollback_by:.0f}s)"
@@ -190,15 +193,18 @@ class Injector:
     def corrupted_outcome(self) -> dict:
         """Where each corrupted version ended up, and whether any node ever said it served it."""
         ep = self._state().get("endpoints", {})
-        api, hdr = ep["controlplane_api"], {"Authorization": f"Bearer {self.admin}"}
         out = {}
-        served = httpx.get(f"{api}/audit", params={"action": "node.served_version", "limit": 500}, headers=hdr,
-                           timeout=10).json()
-        for v in self.corrupted:
-            r = httpx.get(f"{api}/versions/{v}", headers=hdr, timeout=10)
-            state = r.json().get("state") if r.status_code == 200 else f"HTTP {r.status_code}"
-            ever = [e["target"] for e in served if (e.get("after") or {}).get("served_version") == v]
-            out[v] = {"state": state, "served_by": ever}
+        with ControlPlaneClient(ep["controlplane_api"], self.admin, timeout_s=10) as cp:
+            served = cp.audit(action="node.served_version", limit=500)
+            for v in self.corrupted:
+                try:
+                    state = cp.get_version(v).state
+                except ControlPlaneUnreachable:
+                    raise
+                except ControlPlaneError as e:
+                    state = f"HTTP {e.status}"
+                ever = [e.target for e in served if (e.after or {}).get("served_version") == v]
+                out[v] = {"state": state, "served_by": ever}
         return out
 
     def wait(self, timeout_s: float = 120.0) -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from adaflash.controlplane_client import ControlPlaneClient
+
 NODE_PARTS = ("dataplane", "dataplane-2")
 
 
@@ -176,17 +178,16 @@ def fleet_state(settings, api: str, admin: str, mlflow_uri: str) -> dict:
     from controlplane.registry import Registry
     from dataplane.target_cache import ensure_target, target_identity
 
-    hdr = {"Authorization": f"Bearer {admin}"}
-    nodes = []
-    for n in httpx.get(f"{api}/nodes", headers=hdr, timeout=10).json():
-        d = httpx.get(f"{api}/nodes/{n['node_id']}/desired", headers=hdr, timeout=10).json()
-        nodes.append({"node_id": n["node_id"], "served_version": n.get("served_version"),
-                      "desired_version": (d or {}).get("version")})
-    audit = httpx.get(f"{api}/audit/verify", headers=hdr, timeout=30).json()
-    versions = httpx.get(f"{api}/versions", headers=hdr, params={"limit": 500}, timeout=10).json()
-    db_versions = {v["version"]: v["state"] for v in versions}
-    db_aliases = {a: next((v["version"] for v in versions if a in (v.get("aliases") or [])), None)
-                  for a in ("champion", "previous")}
+    with ControlPlaneClient(api, admin) as cp:
+        nodes = []
+        for n in cp.list_nodes():
+            d = cp.desired(n.node_id)
+            nodes.append({"node_id": n.node_id, "served_version": n.served_version,
+                          "desired_version": d.version if d else None})
+        audit = cp.verify_audit().model_dump(mode="json")
+        versions = cp.list_versions(limit=500)
+    db_versions = {v.version: v.state for v in versions}
+    db_aliases = {a: next((v.version for v in versions if a in v.aliases), None) for a in ("champion", "previous")}
     reg = Registry(mlflow_uri, target_identity(ensure_target(settings))["id"])
     rvs = reg.list_versions()
     from adaflash.contracts.registry import TAG_STATE

@@ -12,11 +12,7 @@ from controlplane.db import utcnow
 from controlplane.errors import NotFound
 from controlplane.models import DeletionRequest, Tenant
 from controlplane.states import DeletionScope
-
-
-def default_policy(tenant_id: str, gov: GovernanceConfig) -> TenantPolicy:
-    return TenantPolicy(tenant_id=tenant_id, sampling_rate=gov.default_sampling_rate,
-                        ttl_days=gov.default_ttl_days, share_cap=gov.default_share_cap)
+from governance.policy import default_policy
 
 
 def _policy(row: Tenant) -> TenantPolicy:

@@ -71,7 +71,8 @@ class ModelRunner:
 
     @classmethod
     def training(cls, settings: Settings | None = None) -> ModelRunner:
-        """The learner's: float32 on CPU, whatever the nodes serve in."""
+        """The learner's (and the shadow evaluator's, which replays what it trains): float32 on
+        CPU, whatever the nodes serve in."""
         if settings is not None:
             apply_cpu_settings(settings)
         return cls(torch.device("cpu"), torch.float32, "training")
@@ -123,3 +124,11 @@ def serving_precision(settings: Settings, device: str | None = None) -> Precisio
 def load_target(settings: Settings, target_dir: Path | None = None) -> TargetModel:
     """The target as nodes serve it (``ModelRunner.serving``)."""
     return ModelRunner.serving(settings).load_target(target_dir or ensure_target(settings))
+
+
+def load_training_target(settings: Settings, *, cpu_settings: bool = True) -> tuple[Path, TargetModel]:
+    """The converted target directory and the target on ``ModelRunner.training`` (the learner,
+    offline training and evaluation, the adaptation bench). ``cpu_settings=False`` leaves
+    threads and the kernel cache as the caller set them (a command's ``--threads``)."""
+    d = ensure_target(settings)
+    return d, ModelRunner.training(settings if cpu_settings else None).load_target(d)

@@ -304,13 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from adaflash.config import load_config
-    from dataplane.runner import ModelRunner
-    from dataplane.target_cache import ensure_target
+    from dataplane.runner import load_training_target
     from dataplane.tokenizer import Tokenizer
 
     settings = load_config()
-    d = ensure_target(settings)
-    target = ModelRunner.training().load_target(d)
+    d, target = load_training_target(settings, cpu_settings=False)
     tok = Tokenizer(d)
     streams = [s for s in DEFAULT_STREAMS if not a.streams or s.name in a.streams.split(",")]
     root = data_root(settings.cache, settings.model.target_id)

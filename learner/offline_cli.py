@@ -83,16 +83,15 @@ def register(subparsers) -> None:
 def run(args, settings) -> int:
     import torch
 
-    from dataplane.runner import ModelRunner
-    from dataplane.target_cache import ensure_target, target_identity
+    from dataplane.runner import load_training_target
+    from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
     from learner import data as D
     from learner.offline import train
 
     cfg = training_config(args, settings)
     torch.set_num_threads(cfg.threads)
-    d = ensure_target(settings)
-    target = ModelRunner.training().load_target(d)
+    d, target = load_training_target(settings, cpu_settings=False)
     tok = Tokenizer(d)
     root = Path(args.data_root) if args.data_root else D.data_root(settings.cache, settings.model.target_id)
     if args.prepare_seconds:

@@ -88,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     from adaflash.config import load_config
     from dataplane.drafter_io import load_bundle
-    from dataplane.runner import ModelRunner
-    from dataplane.target_cache import ensure_target, target_identity
+    from dataplane.runner import load_training_target
+    from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
 
-    d = ensure_target(load_config())
-    target = ModelRunner.training().load_target(d)
+    d, target = load_training_target(load_config(), cpu_settings=False)
     tok = Tokenizer(d)
     drafter, _ = load_bundle(a.bundle, target, target_identity(d))
     res = evaluate(target, tok, drafter, n=a.n, max_tokens=a.max_tokens, check_ar=a.check_ar)

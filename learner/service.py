@@ -56,8 +56,9 @@ from adaflash.telemetry import (
     traceparent_from_headers,
     tracer,
 )
-from dataplane.runner import ModelRunner
-from dataplane.target_cache import ensure_target, target_identity
+from dataplane.runner import load_training_target
+from dataplane.spec_policy import PolicyConfig
+from dataplane.target_cache import target_identity
 from dataplane.tokenizer import Tokenizer
 from learner.buffer import DROPPED, Item, PolicySource, ReplayBuffer
 from learner.checkpoint import CheckpointStore, Done
@@ -84,15 +85,14 @@ class Learner:
         self.settings = settings
         self.cfg = settings.learner
         self.topic = settings.kafka.feedback_topic
-        tdir = ensure_target(settings)
+        tdir, self.target = load_training_target(settings)
         self.identity = target_identity(tdir)
-        self.target = ModelRunner.training(settings).load_target(tdir)
         drafter, parent = initial_drafter(settings, self.target, self.identity)
         self.drafter = drafter
         self.supervisor = Supervisor(self.target, Tokenizer(tdir), self.identity, drafter.config.target_layers,
                                      self.cfg.max_record_tokens, self.cfg.min_response_tokens,
                                      self.cfg.supervise_chunk_tokens, self.cfg.prompt_format)
-        self.trainer = Trainer(drafter, self.supervisor, self.cfg)
+        self.trainer = Trainer(drafter, self.supervisor, self.cfg, PolicyConfig.of(settings.dataplane))
         self.store = CheckpointStore(state_dir(settings), keep=self.cfg.keep_checkpoints)
         if self.store.load_into(drafter, self.trainer.opt):
             log.info("resumed at step %s", self.store.step)

@@ -24,14 +24,15 @@ moves only the head). Its label a* comes from
   draft was, it equals the target's argmax at a + j - 1, and the realised sequence
   followed it (so the stored target states are those the verifier would have seen;
   on greedy responses this always holds). a* = accepted / (k - 1).
-- ``"policy"``: the rounds the node's speculation policy (``dataplane.spec_policy``, at
-  the cost model's priors) would serve the response in with the current drafter, and
-  a* = accepted / (k_hat - 1) at each drafting round: the labels a node produces, for
-  the drafter being trained.
+- ``"policy"``: the rounds the node's configured speculation policy (``dataplane.spec_policy``
+  with ``PolicyConfig.of(settings.dataplane)``, at the cost model's priors) would serve the
+  response in with the current drafter, and a* = accepted / (k_hat - 1) at each drafting
+  round: the labels a node produces, for the drafter being trained.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -102,10 +103,14 @@ def policy_rounds(drafter: Drafter, sup: Supervised, policy: sp.PolicyConfig, co
 
 
 class Trainer:
-    def __init__(self, drafter: Drafter, supervisor: Supervisor, cfg: LearnerConfig):
+    def __init__(self, drafter: Drafter, supervisor: Supervisor, cfg: LearnerConfig,
+                 policy: sp.PolicyConfig | None = None):
+        """``policy``: the node's speculation policy (``PolicyConfig.of(settings.dataplane)``),
+        which ``head_label = "policy"`` walks at the drafter's block size; None: its defaults."""
         self.drafter = drafter
         self.sup = supervisor
         self.cfg = cfg
+        self.policy = policy or sp.PolicyConfig()
         drafter.train().requires_grad_(True)
         self.opt = torch.optim.AdamW(param_groups(drafter, cfg.lr_drafter, cfg.lr_head))
 
@@ -155,7 +160,7 @@ class Trainer:
         if self.cfg.head_label == "rounds" and sup.record.rounds:
             r_anchors, r_labels = round_anchors(sup)
         elif self.cfg.head_label == "policy":
-            _, r_anchors, r_labels = policy_rounds(d, sup, sp.PolicyConfig(block_size=k), CostModel())
+            _, r_anchors, r_labels = policy_rounds(d, sup, dataclasses.replace(self.policy, block_size=k), CostModel())
         if r_anchors is not None:
             if r_anchors.numel():
                 with torch.no_grad():

@@ -77,13 +77,13 @@ class ShadowEvaluator:
     def _ensure_target(self) -> None:
         if self._target is not None and self._tokenizer is not None and self._identity is not None:
             return
-        from dataplane.model import TargetModel
+        from dataplane.runner import ModelRunner
         from dataplane.target_cache import ensure_target, target_identity
         from dataplane.tokenizer import Tokenizer
 
         d = ensure_target(self.settings)
         self._identity = self._identity or target_identity(d)
-        self._target = self._target or TargetModel.from_pretrained(d)
+        self._target = self._target or ModelRunner.training().load_target(d)
         self._tokenizer = self._tokenizer or Tokenizer(d)
 
     def _drafter(self, version: str, sha256: str | None):

@@ -39,7 +39,7 @@ def console(tmp_path_factory, real_target_dir):
     with candidate_awaiting_approval(tmp_path_factory.mktemp("console"), real_target_dir) as (st, version, admin):
         st.keys = {role: admin.create_key(f"console-{role}", role).key for role in ("viewer", "approver")}
         st.keys["auditor"] = admin.create_key("console-auditor", "auditor", tenants=["acme"]).key
-        st.keys["admin"] = st.admin["Authorization"].split(" ", 1)[1]
+        st.keys["admin"] = st.admin_token
         admin.set_tenant_policy("acme", sampling_rate=0.5)
         admin.set_tenant_policy("globex", opt_out=True)
         yield st, version
@@ -108,8 +108,8 @@ def test_approver_approves_a_candidate_with_its_plots(browser, console, tmp_path
     body = page.locator("main").inner_text()
     assert "tau up on both tenants (OPS-42)" in body and "completed" in body
     shoot(page, "version-champion", tmp_path)
-    approvals = [a for a in st.api("GET", "/audit?action=version.approved").json() if a["target"] == f"version:{v}"]
-    assert len(approvals) == 1 and "console-approver" in approvals[0]["actor"]
+    approvals = [a for a in st.admin.audit(action="version.approved") if a.target == f"version:{v}"]
+    assert len(approvals) == 1 and "console-approver" in approvals[0].actor
     ctx.close()
 
 
@@ -155,7 +155,7 @@ def test_pages_for_nodes_tenants_deletions_and_audit(browser, console, tmp_path)
     page.click("#save-policy")
     page.wait_for_load_state()
     assert "stored" in page.locator(".notice").inner_text()
-    assert st.api("GET", "/tenants/acme/policy").json()["share_cap"] == 0.3
+    assert st.admin.get_tenant_policy("acme").share_cap == 0.3
     assert "tenant.policy" in page.locator(".audit").inner_text()
     shoot(page, "tenant", tmp_path)
     page.goto(f"{st.cp.url}/console/deletions")

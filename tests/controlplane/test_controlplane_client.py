@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import pytest
 
 from adaflash.config import load_config
@@ -63,3 +64,29 @@ def test_base_url_with_or_without_api_prefix():
     for url in ("http://cp:8100", "http://cp:8100/", "http://cp:8100/api/v1"):
         with ControlPlaneClient(url, "t") as c:
             assert c.base_url == "http://cp:8100" and str(c.http.base_url) == "http://cp:8100/api/v1/"
+
+
+def _in_process(client) -> httpx.MockTransport:
+    """An httpx transport that hands each request to the app's TestClient."""
+
+    def forward(req: httpx.Request) -> httpx.Response:
+        r = client.request(req.method, str(req.url), content=req.content, headers=dict(req.headers))
+        return httpx.Response(r.status_code, headers={"content-type": r.headers.get("content-type", "")},
+                              content=r.content)
+
+    return httpx.MockTransport(forward)
+
+
+def test_node_role_and_desired_version(client, admin):
+    """PUT /nodes/{id} and GET /nodes/{id}/desired through the typed client (the app in-process)."""
+    from adaflash.contracts.admin_api import HeartbeatIn
+
+    token = admin["Authorization"].split(" ", 1)[1]
+    with ControlPlaneClient("http://testserver", token, transport=_in_process(client)) as c:
+        c.heartbeat("node-a", HeartbeatIn(url="http://a"))
+        assert c.set_node_role("node-a", "canary").role == "canary"
+        assert c.get_node("node-a").role == "canary"
+        assert c.desired("node-a") is None  # no champion yet: keep serving what it has
+        with pytest.raises(ControlPlaneError) as e:
+            c.set_node_role("node-z", "regular")
+        assert e.value.status == 404

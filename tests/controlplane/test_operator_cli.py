@@ -23,7 +23,7 @@ def flow(tmp_path_factory, real_target_dir):
     with candidate_awaiting_approval(tmp_path_factory.mktemp("cli"), real_target_dir) as (st, version, admin):
         st.keys = {role: admin.create_key(f"cli-{role}", role).key for role in ("viewer", "approver")}
         st.keys["auditor"] = admin.create_key("cli-auditor", "auditor", tenants=["acme"]).key
-        st.keys["admin"] = st.admin["Authorization"].split(" ", 1)[1]
+        st.keys["admin"] = st.admin_token
         yield st, version
 
 

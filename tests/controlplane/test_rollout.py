@@ -16,6 +16,7 @@ from sqlalchemy import select
 from adaflash.contracts import ALIAS_CHAMPION, ALIAS_PREVIOUS
 from adaflash.contracts.manifest import Lineage
 from adaflash.contracts.registry import TAG_GATES, TAG_STATE
+from adaflash.controlplane_client import ControlPlaneError
 from bench.embedded_stack import (
     NODE_ADMIN_TOKEN,
     Traffic,
@@ -44,15 +45,15 @@ def stack(tmp_path_factory, real_target_dir):
     starter = st.bundle("starter", seed=0, version="starter")
     st.start_node("node-a", starter)
     st.start_node("node-b", starter)
-    assert st.api("PUT", "/nodes/node-a", json={"role": "canary"}).status_code == 200
-    st.approver = st.key("approver")
-    st.viewer = st.key("viewer")
+    assert st.admin.set_node_role("node-a", "canary").role == "canary"
+    st.approver = st.client(st.key("approver"))
+    st.viewer = st.client(st.key("viewer"))
     with Traffic(st) as traffic:
         st.traffic = traffic
         # The first drafter: evaluated against plain decoding, approved, rolled out everywhere.
         v1 = st.publish(seed=1)
         st.drive(lambda: st.state(v1) == "awaiting_approval", what="v1 evaluated")
-        assert st.api("POST", f"/versions/{v1}/approve", st.approver, json={"reason": "first"}).status_code == 200
+        st.approver.approve(v1, "first")
         st.drive(lambda: st.state(v1) == "champion" and served(st) == {"node-a": v1, "node-b": v1},
                  what="v1 everywhere")
         yield st
@@ -67,9 +68,15 @@ def served(st) -> dict[str, str]:
 def promote(st, seed: int, **drive) -> str:
     v = st.publish(seed=seed)
     st.drive(lambda: st.state(v) == "awaiting_approval", what=f"{v} evaluated", **drive)
-    r = st.api("POST", f"/versions/{v}/approve", st.approver, json={"reason": "looks good"})
-    assert r.status_code == 200, r.text
+    st.approver.approve(v, "looks good")
     return v
+
+
+def refused(call, *args, **kw) -> int:
+    """The HTTP status the control plane refused a typed client call with."""
+    with pytest.raises(ControlPlaneError) as e:
+        call(*args, **kw)
+    return e.value.status
 
 
 def audit(st, action: str) -> list[AuditEntry]:
@@ -83,20 +90,19 @@ def test_lifecycle_canary_champion_and_operator_rollback(stack):
     v2 = st.publish(seed=2)
     st.drive(lambda: st.state(v2) == "awaiting_approval", what="v2 evaluated")
     detail = st.version(v2)
-    assert detail["state_reason"].startswith("passed every gate") and all(g["passed"] for g in detail["gate_results"])
-    ev = st.api("GET", f"/evaluations/{detail['evaluation_ids'][-1]}").json()
-    report = ev["report"]
+    assert detail.state_reason.startswith("passed every gate") and all(g.passed for g in detail.gate_results)
+    ev = st.admin.get_evaluation(detail.evaluation_ids[-1])
+    report = ev.report
     assert report["champion_version"] == v1 and report["candidate_version"] == v2 and report["n_records"] == 12
     assert set(report["per_tenant"]) == {"acme", "globex"} and set(report["per_domain"]) == {"chat", "code"}
-    assert set(ev["plots"]) == {"tau_per_tenant", "tau_per_domain", "reliability", "acceptance_by_position"}
-    png = st.api("GET", f"/evaluations/{ev['id']}/plots/reliability")
-    assert png.status_code == 200 and png.content[:4] == b"\x89PNG"
+    assert set(ev.plots) == {"tau_per_tenant", "tau_per_domain", "reliability", "acceptance_by_position"}
+    assert st.admin.plot(ev.id, "reliability")[:4] == b"\x89PNG"
     tags = st.registry.get(v2).tags
     assert tags[TAG_STATE] == "awaiting_approval" and json.loads(tags[TAG_GATES])
 
     # A viewer may not approve; an approver does, over the API.
-    assert st.api("POST", f"/versions/{v2}/approve", st.viewer, json={}).status_code == 403
-    assert st.api("POST", f"/versions/{v2}/approve", st.approver, json={"reason": "ok"}).status_code == 200
+    assert refused(st.viewer.approve, v2) == 403
+    st.approver.approve(v2, "ok")
     seen_canary = []
 
     def champion_everywhere() -> bool:
@@ -107,15 +113,14 @@ def test_lifecycle_canary_champion_and_operator_rollback(stack):
 
     st.drive(champion_everywhere, what="v2 champion on every node")
     assert seen_canary, "the canary node served v2 alone first"
-    promo = st.api("GET", "/promotions").json()[0]
-    assert promo["version"] == v2 and promo["state"] == "completed" and promo["canary_nodes"] == ["node-a"]
+    promo = st.admin.list_promotions()[0]
+    assert promo.version == v2 and promo.state == "completed" and promo.canary_nodes == ["node-a"]
     assert st.registry.alias(ALIAS_CHAMPION) == v2 and st.registry.alias(ALIAS_PREVIOUS) == v1
     assert st.registry.get(v2).tags[TAG_STATE] == "champion"
 
     # Operator rollback: one call; the previous champion serves again on every node.
-    r = st.api("POST", f"/versions/{v2}/rollback", st.approver, json={"reason": "operator says so"})
-    assert r.status_code == 200 and r.json()["kind"] == "rollback"
-    st.drive(lambda: served(st) == {"node-a": v1, "node-b": v1} and not st.api("GET", "/promotions?active=true").json(),
+    assert st.approver.rollback(v2, "operator says so").kind == "rollback"
+    st.drive(lambda: served(st) == {"node-a": v1, "node-b": v1} and not st.admin.list_promotions(active=True),
              what="v1 back everywhere")
     assert st.state(v1) == "champion" and st.state(v2) == "rolled_back"
     st.drive(lambda: st.registry.alias(ALIAS_CHAMPION) == v1, what="MLflow alias mirrored")
@@ -137,7 +142,7 @@ def test_corrupted_artifact_is_refused_and_audited(stack):
         f.write(b"\x00\xff\x00\xff")
     st.drive(lambda: st.state(v) == "rejected", what="corrupted version refused")
     detail = st.version(v)
-    assert "artifact refused" in detail["state_reason"] and "sha256 mismatch" in detail["state_reason"]
+    assert "artifact refused" in detail.state_reason and "sha256 mismatch" in detail.state_reason
     # refused where the altered file was first seen: by discovery, which checks every file of a new
     # version, or (altered after it was discovered) by the evaluation, which checks them again
     entry = [e for e in audit(st, "version.rejected") if e.target == f"version:{v}"]
@@ -146,10 +151,10 @@ def test_corrupted_artifact_is_refused_and_audited(stack):
         evs = s.scalars(select(Evaluation).where(Evaluation.version == v)).all()
         assert (entry[-1].actor == "system:discovery") == (not evs)
         assert all(ev.status == "failed" and "sha256" in ev.error for ev in evs)
-    assert st.api("POST", f"/versions/{v}/approve", st.approver, json={}).status_code == 409
+    assert refused(st.approver.approve, v) == 409
     # A node asked directly to load it refuses it too, and keeps serving.
     rv = st.registry.get(v)
-    r = NodePusher(NODE_ADMIN_TOKEN)._post("node-a", st.nodes["node-a"].url, v, rv.source, detail["manifest_sha256"])
+    r = NodePusher(NODE_ADMIN_TOKEN)._post("node-a", st.nodes["node-a"].url, v, rv.source, detail.manifest_sha256)
     assert r.refused and "sha256" in r.error
     assert served(st) == {"node-a": champion, "node-b": champion}
 
@@ -159,9 +164,9 @@ def test_candidate_failing_a_gate(stack):
     v = st.publish(seed=4, lineage=Lineage(source="online", topic="adaflash.feedback.v1"))
     st.drive(lambda: st.state(v) == "gate_failed", what="gate failure")
     detail = st.version(v)
-    failed = {g["name"] for g in detail["gate_results"] if not g["passed"]}
-    assert "require_lineage" in failed and "require_lineage" in detail["state_reason"]
-    assert st.api("POST", f"/versions/{v}/approve", st.approver, json={}).status_code == 409
+    failed = {g.name for g in detail.gate_results if not g.passed}
+    assert "require_lineage" in failed and "require_lineage" in detail.state_reason
+    assert refused(st.approver.approve, v) == 409
     assert json.loads(st.registry.get(v).tags[TAG_GATES])
 
 
@@ -180,7 +185,7 @@ def test_node_down_during_rollout_converges_when_back(stack):
 def test_control_plane_killed_mid_rollout_resumes(stack):
     st = stack
     v = promote(st, seed=6)
-    st.drive(lambda: st.api("GET", "/promotions?active=true").json()[0]["state"] in ("canary", "watching"),
+    st.drive(lambda: st.admin.list_promotions(active=True)[0].state in ("canary", "watching"),
              what="promotion under way", shadow=False)
     # And a second candidate whose evaluation the crash interrupts.
     w = st.publish(seed=7)
@@ -205,7 +210,7 @@ def test_control_plane_killed_mid_rollout_resumes(stack):
     with sessions() as s:
         p = s.scalars(select(Promotion).where(Promotion.version == v)).one()
         assert p.state == "completed" and p.attempts >= 1
-    st.api("POST", f"/versions/{w}/reject", st.approver, json={"reason": "not needed"})
+    st.approver.reject(w, "not needed")
 
 
 def test_live_regression_after_promotion_rolls_back(stack):
@@ -220,13 +225,13 @@ def test_live_regression_after_promotion_rolls_back(stack):
         node.live_status = lambda real=real: {**real(), "tau": 0.3, "tps": 5.0}
     try:
         st.drive(lambda: served(st) == {"node-a": previous, "node-b": previous}
-                 and not st.api("GET", "/promotions?active=true").json(), what="automatic rollback")
+                 and not st.admin.list_promotions(active=True), what="automatic rollback")
     finally:
         for sn in st.nodes.values():
             del sn.node.live_status
     assert st.state(champion) == "rolled_back" and st.state(previous) == "champion"
     detail = st.version(champion)
-    assert detail["state_reason"].startswith("live regression after promotion") and "tau" in detail["state_reason"]
+    assert detail.state_reason.startswith("live regression after promotion") and "tau" in detail.state_reason
     entry = [e for e in audit(st, "version.rolled_back") if e.target == f"version:{champion}"][-1]
     assert entry.actor == "system:rollout"
 

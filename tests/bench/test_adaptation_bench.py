@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from tests.learner.conftest import make_drafter
+# the learner's tiny target and drafter bundle (fixtures) and its drafter factory
+from tests.learner.conftest import drafter_dir, make_drafter, target, target_dir  # noqa: F401 - fixtures
 
 
-def _answers(target, tok, n, max_tokens, tmp_path):
+def _answers(target, tok, n, max_tokens, tmp_path):  # noqa: F811
     import promptsets as ds
     from bench.adaptation import answer
 
@@ -15,7 +16,7 @@ def _answers(target, tok, n, max_tokens, tmp_path):
     return answer(target, tok, prompts, max_tokens, tmp_path / "answers.jsonl", "answers", concurrency=4)
 
 
-def test_scored_tau_equals_the_engines_fixed_mode_tau(target, target_dir, tmp_path):
+def test_scored_tau_equals_the_engines_fixed_mode_tau(target, target_dir, tmp_path):  # noqa: F811
     """The bench scores tau by walking the target's greedy answer; serving the same prompts
     with the engine in mode fixed must realise exactly the same rounds."""
     from adaflash.config import DataplaneConfig, LearnerConfig
@@ -60,7 +61,7 @@ def test_scored_tau_equals_the_engines_fixed_mode_tau(target, target_dir, tmp_pa
     assert got["tau"] > 1.0  # the test means something: drafts were accepted
 
 
-def test_bench_cli_writes_result_and_plot(target_dir, drafter_dir, tmp_path, monkeypatch):
+def test_bench_cli_writes_result_and_plot(target_dir, drafter_dir, tmp_path, monkeypatch):  # noqa: F811
     from adaflash.cli import main
 
     monkeypatch.setenv("ADAFLASH_MODEL__PATH", str(target_dir))
@@ -101,7 +102,7 @@ def test_bench_cli_rejects_bad_input(capsys):
     assert main(["bench", "adaptation", "--drafter", "/nonexistent"]) != 0
 
 
-def test_answers_are_cached_per_prompt_across_counts(target, target_dir, tmp_path):
+def test_answers_are_cached_per_prompt_across_counts(target, target_dir, tmp_path):  # noqa: F811
     """A longer run reuses the answers a shorter one (or an older per-count file) produced
     and generates only the missing prompts."""
     import promptsets as ds
