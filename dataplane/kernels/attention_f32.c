@@ -46,7 +46,7 @@ static inline float load(const void *p, int64_t i, int is_bf16) {
  * arithmetic, so the loop calling it vectorizes. */
 static inline float exp_nonpos(float x) {
     const float xc = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_roundf(xc * 1.44269504088896341f);
+    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
     const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -88,30 +88,40 @@ static void scores8(const float *qv, const float *K, int64_t L, int64_t d, float
     }
 }
 
-/* acc[t] = sum_j p[j] * V[j, t] for t < D (a compile-time D lets the accumulators live in
- * registers across the keys). */
-#define WEIGHTED_SUM(D)                                                                            \
-    static void wsum_##D(const float *p, const float *V, int64_t L, float *acc) {                  \
-        float a[D] = {0};                                                                          \
-        for (int64_t j = 0; j < L; j++) {                                                          \
-            const float pj = p[j];                                                                 \
-            for (int t = 0; t < D; t++)                                                            \
-                a[t] += pj * V[j * D + t];                                                         \
-        }                                                                                          \
-        memcpy(acc, a, sizeof(a));                                                                 \
+/* acc[r, t] = sum_j P[r, j] * V[j, t] for r < R (at most 3 query heads sharing a kv head),
+ * t < d: P [R, L] (row stride ldp), V [L, d], acc [R, d]. Each key's values are loaded once
+ * for the R rows; 32 columns at a time keep the 3 x 4 accumulators in registers. */
+static void weighted_values(const float *P, int64_t ldp, int R, const float *V, int64_t L, int64_t d, float *acc) {
+    if (d % 32) {
+        memset(acc, 0, sizeof(float) * (size_t)(R * d));
+        for (int r = 0; r < R; r++)
+            for (int64_t j = 0; j < L; j++)
+                for (int64_t t = 0; t < d; t++)
+                    acc[r * d + t] += P[r * ldp + j] * V[j * d + t];
+        return;
     }
-WEIGHTED_SUM(64)
-WEIGHTED_SUM(128)
-
-static void wsum(const float *p, const float *V, int64_t L, int64_t d, float *acc) {
-    if (d == 64)
-        return wsum_64(p, V, L, acc);
-    if (d == 128)
-        return wsum_128(p, V, L, acc);
-    memset(acc, 0, sizeof(float) * (size_t)d);
-    for (int64_t j = 0; j < L; j++)
-        for (int64_t t = 0; t < d; t++)
-            acc[t] += p[j] * V[j * d + t];
+    const float *p0 = P, *p1 = P + (R > 1 ? ldp : 0), *p2 = P + (R > 2 ? 2 * ldp : 0);
+    for (int64_t t0 = 0; t0 < d; t0 += 32) {
+        __m256 a[3][4];
+        for (int r = 0; r < 3; r++)
+            for (int c = 0; c < 4; c++)
+                a[r][c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const float *vj = V + j * d + t0;
+            const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+            const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
+            const __m256 w[3] = {_mm256_broadcast_ss(p0 + j), _mm256_broadcast_ss(p1 + j), _mm256_broadcast_ss(p2 + j)};
+            for (int r = 0; r < 3; r++) {
+                a[r][0] = _mm256_fmadd_ps(w[r], v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w[r], v1, a[r][1]);
+                a[r][2] = _mm256_fmadd_ps(w[r], v2, a[r][2]);
+                a[r][3] = _mm256_fmadd_ps(w[r], v3, a[r][3]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++)
+                _mm256_storeu_ps(acc + r * d + t0 + 8 * c, a[r][c]);
+    }
 }
 
 /* q [n, heads, d] (token stride ldq), k_new, v_new [n, kvh, d] (token strides ldk, ldv), in
@@ -152,14 +162,15 @@ int adaflash_attend_cached(const void *q, int64_t ldq, const void *k_new, int64_
             const int64_t h = it % kvh, i = it / kvh;
             const int64_t L = causal ? start + i + 1 : total;
             const float *K = keys + h * cap * d, *V = vals + h * cap * d;
-            float qv[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+            float qv[MAX_HEAD_DIM], acc[3 * MAX_HEAD_DIM];
             for (int64_t r = 0; r < g; r++) {
                 for (int64_t t = 0; t < d; t++)
                     qv[t] = load(q, i * ldq + (h * g + r) * d + t, is_bf16);
                 scores8(qv, K, L, d, scale, sc + r * total);
             }
-            for (int64_t r = 0; r < g; r++) {
+            for (int64_t r = 0; r < g; r++) { /* softmax of each row, in place */
                 float *s = sc + r * total, m = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : m)
                 for (int64_t j = 1; j < L; j++)
                     m = s[j] > m ? s[j] : m;
 #pragma omp simd reduction(+ : sum)
@@ -170,13 +181,18 @@ int adaflash_attend_cached(const void *q, int64_t ldq, const void *k_new, int64_
                 const float inv = 1.0f / sum;
                 for (int64_t j = 0; j < L; j++)
                     s[j] *= inv;
-                wsum(s, V, L, d, acc);
-                const int64_t o = i * ldo + (h * g + r) * d;
-                if (is_bf16)
-                    for (int64_t t = 0; t < d; t++)
-                        ((uint16_t *)out)[o + t] = bf16(acc[t]);
-                else
-                    memcpy((float *)out + o, acc, sizeof(float) * (size_t)d);
+            }
+            for (int64_t r0 = 0; r0 < g; r0 += 3) {
+                const int R = g - r0 < 3 ? (int)(g - r0) : 3;
+                weighted_values(sc + r0 * total, total, R, V, L, d, acc);
+                for (int r = 0; r < R; r++) {
+                    const int64_t o = i * ldo + (h * g + r0 + r) * d;
+                    if (is_bf16)
+                        for (int64_t t = 0; t < d; t++)
+                            ((uint16_t *)out)[o + t] = bf16(acc[r * d + t]);
+                    else
+                        memcpy((float *)out + o, acc + r * d, sizeof(float) * (size_t)d);
+                }
             }
         }
         free(sc);
