@@ -71,8 +71,7 @@ class ModelRunner:
 
     @classmethod
     def training(cls, settings: Settings | None = None) -> ModelRunner:
-        """The learner's (and the shadow evaluator's, which replays what it trains): float32 on
-        CPU, whatever the nodes serve in."""
+        """The learner's: float32 on CPU, whatever the nodes serve in."""
         if settings is not None:
             apply_cpu_settings(settings)
         return cls(torch.device("cpu"), torch.float32, "training")

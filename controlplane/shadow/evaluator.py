@@ -83,7 +83,9 @@ class ShadowEvaluator:
 
         d = ensure_target(self.settings)
         self._identity = self._identity or target_identity(d)
-        self._target = self._target or ModelRunner.training().load_target(d)
+        # replayed as nodes serve it: the precision they serve in on this machine, so the
+        # replay's greedy acceptance is the one they realise
+        self._target = self._target or ModelRunner.serving(self.settings).load_target(d)
         self._tokenizer = self._tokenizer or Tokenizer(d)
 
     def _drafter(self, version: str, sha256: str | None):
