@@ -19,23 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
-
-static inline float f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16(float f) {
-    /* round to nearest even, as PyTorch's float -> bfloat16 conversion; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
-}
 
 static inline float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];

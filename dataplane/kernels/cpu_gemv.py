@@ -71,7 +71,7 @@ def build_kernel(source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if cc is None:
         raise RuntimeError("no C compiler")
-    src = source.read_bytes()
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # its headers
     torch_lib = Path(torch.__file__).parent / "lib"  # link the OpenMP runtime PyTorch loaded
     key = hashlib.sha256(src + " ".join([cc, *cflags, str(torch_lib)]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
