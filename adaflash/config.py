@@ -257,6 +257,7 @@ class ControlplaneConfig(BaseModel):
     jwt_issuer: str = ""  # empty: API keys only; set: HS256 bearer JWTs from this issuer too
     jwt_audience: str = "adaflash"
     jwt_secret_env: str = "ADAFLASH_JWT_SECRET"
+    jwt_secret_file: str = ""  # read when the env var is empty (a mounted secret)
     jwt_leeway_s: float = 30.0
     admin_token_file: str = ""  # empty: $ADAFLASH_HOME/admin-token (written once, mode 0600)
     evaluations_dir: str = ""  # empty: $ADAFLASH_HOME/evaluations (reports and plots)
@@ -295,6 +296,7 @@ class ControlplaneConfig(BaseModel):
     # secret in this env var (shared by every replica); unset: a random secret per process,
     # so sessions end when it restarts. A session lasts console_session_s.
     console_secret_env: str = "ADAFLASH_CONSOLE_SECRET"
+    console_secret_file: str = ""  # read when the env var is empty (a mounted secret)
     console_session_s: float = 8 * 3600.0
     # GET /metrics (Prometheus): the learner group's consumer lag is read from kafka.*
     # with a short timeout and cached this long; off: no lag metric (no broker access).

@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaflash.config import Settings
+from adaflash.config import ControlplaneConfig, Settings
 
 log = logging.getLogger("adaflash.credentials")
 
@@ -139,3 +139,13 @@ def nodes_admin(settings: Settings) -> Credential:
     return Credential("nodes' admin token", cp.node_admin_token_env,
                       _files(cp.node_admin_token_file, dp.admin_token_file,
                              settings.home / DATAPLANE_ADMIN_TOKEN_FILE))
+
+
+def jwt_secret(cp: ControlplaneConfig) -> Credential:
+    """The HS256 secret of bearer JWTs (used when ``jwt_issuer`` is set)."""
+    return Credential("JWT secret", cp.jwt_secret_env, _files(cp.jwt_secret_file))
+
+
+def console_secret(cp: ControlplaneConfig) -> Credential:
+    """The secret that encrypts and signs the web console's session cookies (shared by replicas)."""
+    return Credential("console secret", cp.console_secret_env, _files(cp.console_secret_file))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
@@ -166,9 +165,10 @@ def jwt_secret(cfg: ControlplaneConfig) -> str | None:
     """The HS256 secret when JWTs are configured; raises if the issuer is set but not the secret."""
     if not cfg.jwt_issuer:
         return None
-    secret = os.environ.get(cfg.jwt_secret_env, "")
+    secret = credentials.lookup(credentials.jwt_secret(cfg))
     if not secret:
-        raise RuntimeError(f"jwt_issuer is set but ${cfg.jwt_secret_env} holds no secret")
+        raise RuntimeError(f"jwt_issuer is set but neither ${cfg.jwt_secret_env} nor "
+                           f"controlplane.jwt_secret_file holds a secret")
     return secret
 
 

@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -23,6 +22,7 @@ from cryptography.fernet import Fernet, InvalidToken
 from fastapi import Request
 from starlette.responses import Response
 
+from adaflash import credentials
 from adaflash.config import ControlplaneConfig
 from controlplane.auth import Principal, authenticate
 from controlplane.errors import ControlPlaneError, Forbidden
@@ -43,7 +43,7 @@ class SessionCodec:
     """Encrypts and decrypts session cookies with the console secret."""
 
     def __init__(self, cfg: ControlplaneConfig, jwt_secret: str | None):
-        secret = os.environ.get(cfg.console_secret_env, "") if cfg.console_secret_env else ""
+        secret = credentials.lookup(credentials.console_secret(cfg)) or ""
         if not secret:
             if jwt_secret:
                 secret = "console:" + jwt_secret

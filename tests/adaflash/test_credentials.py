@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import stat
 
+import pytest
+
 from adaflash import credentials
 from adaflash.config import load_config
 
@@ -58,3 +60,26 @@ def test_every_component_uses_the_same_lookup(tmp_path, monkeypatch):
     assert credentials.lookup(credentials.learner_controlplane(s)) == "learner-key"
     assert node_admin_token(s) == "node-admin"  # the control plane pushing to nodes
     assert admin_token_path(s) == tmp_path / credentials.ADMIN_TOKEN_FILE
+
+
+def test_the_jwt_and_console_secrets_come_from_env_then_a_mounted_file(tmp_path, monkeypatch):
+    from controlplane.auth import jwt_secret
+    from controlplane.console.session import SessionCodec
+
+    s = load_config(None, home=tmp_path)
+    cp = s.controlplane
+    cp.jwt_issuer = "https://issuer.example"
+    monkeypatch.delenv(cp.jwt_secret_env, raising=False)
+    monkeypatch.delenv(cp.console_secret_env, raising=False)
+    with pytest.raises(RuntimeError, match="jwt_secret_file"):  # an issuer without a secret refuses to start
+        jwt_secret(cp)
+    credentials.write_private(tmp_path / "jwt", "mounted-jwt\n")
+    cp.jwt_secret_file = str(tmp_path / "jwt")
+    assert jwt_secret(cp) == "mounted-jwt"
+    monkeypatch.setenv(cp.jwt_secret_env, "env-jwt")
+    assert jwt_secret(cp) == "env-jwt"
+    credentials.write_private(tmp_path / "console", "mounted-console\n")
+    cp.console_secret_file = str(tmp_path / "console")
+    a, b = SessionCodec(cp, "env-jwt"), SessionCodec(cp, "another")
+    cookie = a.fernet.encrypt(b"x")
+    assert b.fernet.decrypt(cookie) == b"x"  # both replicas read the mounted console secret
