@@ -53,6 +53,7 @@ class StreamPlan:
     def __init__(self, bounds: list[tuple[int, int, int]], heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fast: bool = False):
         self.fast = fast and device.type == "cpu"
+        self._kernel: bool | None = None  # decided at the first layer: every layer has the same shapes
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.g = heads // kv_heads
         self.singles: list[tuple[int, int, int, int]] = []
@@ -134,11 +135,11 @@ class StreamPlan:
             out.index_copy_(0, grp.stream_rows, og.index_select(0, grp.slot_rows))
         return out.to(dtype)
 
-
     def _kernel_takes(self, layer, q, k, v, kvs) -> bool:
-        return all(e - s <= cpu_attention.MAX_QUERIES
-                   and cpu_attention.takes(q[s:e], k[s:e], v[s:e], kvs[b].data[layer])
-                   for b, s, e, _ in self.singles)
+        if self._kernel is None:
+            self._kernel = all(cpu_attention.takes(q[s:e], k[s:e], v[s:e], kvs[b].data[layer])
+                               for b, s, e, _ in self.singles)
+        return self._kernel
 
 
 def _chunks(lengths: list[int], per_member_extra: int) -> list[list[int]]:

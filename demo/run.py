@@ -16,6 +16,7 @@ Candidates awaiting approval are approved through the admin API unless
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -242,10 +243,8 @@ class Demo:
         deadline = time.monotonic() + wait_s
         fig = None
         while True:
-            try:
+            with contextlib.suppress(ControlPlaneError, httpx.HTTPError):  # asked again until the deadline
                 fig = self.cp.get_version(self.promoted).figures.model_dump(mode="json")
-            except (ControlPlaneError, httpx.HTTPError):
-                pass
             if (fig and fig.get("realised_samples")) or time.monotonic() > deadline:
                 return fig
             time.sleep(2.0)
