@@ -85,6 +85,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = _leaf(ds, "status", deletions_status, "one deletion request's per-component status (none: list)", c)
     p.add_argument("request_id", nargs="?", type=int, default=None)
 
+    h = subparsers.add_parser("hold", help="pause online training and shadow evaluation (serving goes on)")
+    hs = h.add_subparsers(dest="hold_command", metavar="SUBCOMMAND", required=True)
+    _leaf(hs, "show", hold_show, "the learning hold and whether it has taken effect", c)
+    p = _leaf(hs, "set", hold_set, "hold learning and/or evaluation across the fleet (admin)", c)
+    p.add_argument("--learning", action="store_true", help="learners take no step")
+    p.add_argument("--evaluation", action="store_true", help="no new shadow evaluation starts")
+    p.add_argument("--reason", required=True, help="why (required, recorded in the audit log)")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="seconds to wait until the hold has taken effect (exit 5 if it has not)")
+    p = _leaf(hs, "lift", hold_lift, "resume learning and evaluation (admin)", c)
+    p.add_argument("--reason", required=True, help="why (required, recorded in the audit log)")
+
     a = subparsers.add_parser("audit", help="the hash-chained audit log")
     as_ = a.add_subparsers(dest="audit_command", metavar="SUBCOMMAND", required=True)
     _leaf(as_, "verify", audit_verify, "recompute the audit log's hash chain (exit 1 if broken)", c)
@@ -347,3 +359,47 @@ def audit_verify(client, args) -> int:
     else:
         print(f"audit chain BROKEN at seq {r.first_bad_seq}: {r.reason} ({r.entries} entries)")
     return 0 if r.ok else 1
+
+
+# -- the learning hold -------------------------------------------------------------------------------------------
+def _print_hold(h) -> None:
+    held = [x for x, on in (("learning", h.learning), ("evaluation", h.evaluation)) if on]
+    print(f"held: {', '.join(held) or 'nothing'}" + (f" (by {h.set_by} at {_when(h.set_at)}: {h.reason})"
+                                                       if h.set_at else ""))
+    print(f"taken effect: {'yes' if h.quiet else 'not yet'}" +
+          (f"; under evaluation: {', '.join(h.evaluating)}" if h.evaluating else ""))
+    if h.learners:
+        _table("learners", ["learner", "last read the hold", "quiet"],
+               [[x.learner_id, _when(x.seen_at), "yes" if x.quiet else ""] for x in h.learners])
+
+
+def _show_hold(h, args) -> int:
+    if args.json:
+        _emit_json(h)
+    else:
+        _print_hold(h)
+    return 0
+
+
+def hold_show(client, args) -> int:
+    return _show_hold(client.get_hold(), args)
+
+
+def hold_set(client, args) -> int:
+    import time
+
+    if not (args.learning or args.evaluation):
+        print("adaflash: error: name what to hold (--learning, --evaluation); `adaflash hold lift` resumes",
+              file=sys.stderr)
+        return EXIT_OTHER
+    h = client.set_hold(args.learning, args.evaluation, args.reason)
+    deadline = time.monotonic() + args.wait
+    while not h.quiet and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        h = client.get_hold()
+    _show_hold(h, args)
+    return 0 if h.quiet or not args.wait else EXIT_CONFLICT
+
+
+def hold_lift(client, args) -> int:
+    return _show_hold(client.set_hold(False, False, args.reason), args)

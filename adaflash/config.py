@@ -205,6 +205,7 @@ class LearnerConfig(BaseModel):
     controlplane_token_file: str = ""
     learner_id: str = "learner"
     deletion_poll_s: float = 10.0
+    hold_poll_s: float = 2.0  # how often the learner reads the fleet's learning hold (between steps)
 
 
 class OfflineConfig(BaseModel):

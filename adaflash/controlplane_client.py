@@ -39,6 +39,8 @@ from adaflash.contracts.admin_api import (
     EvaluationOut,
     HeartbeatIn,
     HeartbeatOut,
+    HoldIn,
+    HoldOut,
     KeyCreated,
     KeyIn,
     NodeOut,
@@ -224,6 +226,18 @@ class ControlPlaneClient:
         """Claim the records a learner is about to train; report those it trained (learner role)."""
         return self._call(ClaimsOut, "POST", f"/learners/{_seg(learner_id)}/claims",
                           body=ClaimsIn(claim=list(claim), trained=list(trained)))
+
+    def learner_hold(self, learner_id: str) -> HoldOut:
+        """A learner reads the learning hold between two steps (learner role; the read is remembered)."""
+        return self._call(HoldOut, "GET", f"/learners/{_seg(learner_id)}/hold")
+
+    # -- the learning hold ------------------------------------------------------------------------------------
+    def get_hold(self) -> HoldOut:
+        return self._call(HoldOut, "GET", "/hold")
+
+    def set_hold(self, learning: bool, evaluation: bool, reason: str) -> HoldOut:
+        """Pause (True) or resume (False) online training and shadow evaluation (admin)."""
+        return self._call(HoldOut, "PUT", "/hold", body=HoldIn(learning=learning, evaluation=evaluation, reason=reason))
 
     # -- keys (admin) -----------------------------------------------------------------------------------------
     def create_key(self, name: str, role: Role | str, tenants: Sequence[str] = (),

@@ -302,3 +302,25 @@ class RecordClaim(Base):
     learner_id: Mapped[str] = mapped_column(String(128))
     trained: Mapped[bool] = mapped_column(default=False)
     claimed_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class Hold(Base):
+    """The fleet's learning hold (controlplane/hold.py): one row, id 1, written by an admin."""
+
+    __tablename__ = "holds"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    learning: Mapped[bool] = mapped_column(default=False)
+    evaluation: Mapped[bool] = mapped_column(default=False)
+    reason: Mapped[str | None] = mapped_column(Text)
+    set_by: Mapped[str | None] = mapped_column(String(128))
+    set_at: Mapped[datetime | None] = mapped_column()
+
+
+class HoldSeen(Base):
+    """When each learner last read the hold, between two of its steps."""
+
+    __tablename__ = "hold_seen"
+
+    learner_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column()

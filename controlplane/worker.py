@@ -22,7 +22,7 @@ import threading
 from sqlalchemy.orm import Session, sessionmaker
 
 from adaflash.config import Settings
-from controlplane import deletion, discovery, lifecycle
+from controlplane import deletion, discovery, hold, lifecycle
 from controlplane.db import session_scope
 from controlplane.gates import GatePolicy
 from controlplane.registry import Registry
@@ -83,6 +83,10 @@ class Workers:
         return self.reconciler.run_once()
 
     def shadow_pass(self):
+        """Evaluate the registered versions, unless an admin holds evaluation (controlplane/hold.py)."""
+        with session_scope(self.sessions) as s:
+            if hold.evaluation_held(s):
+                return []
         return self.evaluator.run_once()
 
     # -- loops --

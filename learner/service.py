@@ -9,7 +9,7 @@ One loop, one step at a time::
       expired or opted out (tenant policy)             -> dropped, counted
       older than max_record_age_s (learner behind)     -> dropped as "stale", counted
       else                                             -> replay buffer (share cap, TTL)
-    buffer ready (full, or its oldest record waited max_wait_s)
+    buffer ready (full, or its oldest record waited max_wait_s), learning not held (controlplane/hold.py)
       records claimed at the control plane; another learner's -> finished, not trained
       target supervision, ``epochs`` passes of OPD + length head
       DLQ flushed; checkpoint committed (weights, optimizer, seen, ledger, offsets, lineage)
@@ -119,6 +119,10 @@ class Learner:
 
         # one learner trains each record across the group (controlplane/claims.py)
         self.claims = RecordClaims(self.deletions.client, self.cfg.learner_id) if self.deletions else None
+        from learner.hold import HoldWatch
+
+        # the fleet's learning hold (controlplane/hold.py): no step while an admin holds learning
+        self.hold = HoldWatch(self.deletions.client, self.cfg.learner_id, self.cfg.hold_poll_s) if self.deletions else None
         self._next_step_at = 0.0  # after records another learner held went back: not before this
         from learner.resilience import BrokerWatch
 
@@ -420,7 +424,8 @@ class Learner:
                     self.handle(m)
                 if msgs or not self.consumer.assigned():
                     idle_since = time.monotonic()  # idle only counts once the group gave us partitions
-                if self.buffer.ready() and time.monotonic() >= self._next_step_at:
+                held = self.hold is not None and self.hold.maybe_tick()
+                if not held and self.buffer.ready() and time.monotonic() >= self._next_step_at:
                     self.step()
                     steps += 1
                     if max_steps is not None and steps >= max_steps:
@@ -431,6 +436,8 @@ class Learner:
                 if (exit_when_idle_s is not None and not msgs and not self.buffer.held()
                         and time.monotonic() - idle_since >= exit_when_idle_s):
                     break
+                if held and not msgs:  # the buffer is full or the topic quiet: wait, do not spin
+                    self.stop_event.wait(0.2)
         finally:
             self.close()
         return steps

@@ -370,3 +370,31 @@ class ClaimsOut(BaseModel):
     granted: list[str]
     trained_elsewhere: dict[str, str]  # record id -> the learner that trained it: never train it
     held_elsewhere: dict[str, str]  # record id -> the learner whose claim is live: ask again later
+
+
+# -- the learning hold: GET/PUT /hold, GET /learners/{id}/hold ------------------------------------------
+class HoldIn(Input):
+    """Pause online training (``learning``: learners take no step) and/or shadow evaluation
+    (``evaluation``: no new candidate is evaluated) across the fleet, e.g. while a measurement
+    runs. Serving, rollouts and rollbacks are never held."""
+
+    learning: Flag
+    evaluation: Flag
+    reason: Reason
+
+
+class LearnerHoldOut(BaseModel):
+    learner_id: str
+    seen_at: datetime  # when the learner last read the hold (between two steps)
+    quiet: bool  # it read the current learning hold: it takes no step until the hold is lifted
+
+
+class HoldOut(BaseModel):
+    learning: bool
+    evaluation: bool
+    reason: str | None
+    set_by: str | None
+    set_at: datetime | None
+    evaluating: list[str]  # versions under shadow evaluation right now (one finishes even when held)
+    learners: list[LearnerHoldOut]  # learners that have read the hold, last read first
+    quiet: bool  # what is held has stopped: no evaluation running (if held), every learner quiet (if held)

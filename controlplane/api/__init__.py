@@ -16,7 +16,7 @@ from adaflash.config import Settings, load_config
 from controlplane import auth, console, metrics
 from controlplane.api import errors
 from controlplane.api.deps import current_principal
-from controlplane.api.routes import audit, evaluations, keys, learners, nodes, tenants, versions
+from controlplane.api.routes import audit, evaluations, hold, keys, learners, nodes, tenants, versions
 from controlplane.api.schemas import ErrorBody
 from controlplane.db import database_url, make_engine, make_sessionmaker, upgrade
 from controlplane.gates import load_policy
@@ -66,7 +66,8 @@ def create_app(settings: Settings | None = None, *, migrate: bool = True) -> Fas
 
     api = APIRouter(prefix=API_PREFIX, dependencies=[Depends(current_principal)], responses=COMMON_RESPONSES)
     for router in (keys.me, versions.router, versions.promotions, evaluations.router, nodes.router,
-                   tenants.router, tenants.deletions, audit.router, keys.router, learners.router):
+                   tenants.router, tenants.deletions, audit.router, keys.router, learners.router, hold.router,
+                   hold.learner_router):
         api.include_router(router)
     app.include_router(api)
     console.install(app)  # the web console at /console (same keys, roles and actions)

@@ -30,6 +30,8 @@ from adaflash.contracts.admin_api import (  # noqa: F401  (re-exported for the r
     GateResultOut,
     HeartbeatIn,
     HeartbeatOut,
+    HoldIn,
+    HoldOut,
     Input,
     KeyCreated,
     KeyIn,

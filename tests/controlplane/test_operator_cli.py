@@ -118,3 +118,21 @@ def test_refusals_without_credentials_or_control_plane(flow, capsys, monkeypatch
     with ControlPlaneClient(st.cp.url, st.keys["viewer"]) as viewer, pytest.raises(ControlPlaneError) as e:
         viewer.reject("1", "no")
     assert e.value.status == 403 and e.value.code == "forbidden"
+
+
+def test_hold_with_the_cli(flow, capsys, monkeypatch):
+    st, _ = flow
+    rc, out, _ = cli(capsys, monkeypatch, st, "viewer", "hold", "show")
+    assert rc == 0 and "held: nothing" in out
+    rc, _, err = cli(capsys, monkeypatch, st, "viewer", "hold", "set", "--learning", "--reason", "measuring")
+    assert rc == 3 and "HTTP 403" in err
+    rc, _, err = cli(capsys, monkeypatch, st, "admin", "hold", "set", "--reason", "measuring")
+    assert rc == 2 and "--learning, --evaluation" in err  # nothing named: refused before any call
+    # no learner runs here and nothing is under evaluation: the hold takes effect at once
+    rc, out, _ = cli(capsys, monkeypatch, st, "admin", "hold", "set", "--learning", "--evaluation",
+                     "--reason", "measuring", "--wait", "5", "--json")
+    h = json.loads(out)
+    assert rc == 0 and h["learning"] and h["evaluation"] and h["quiet"] and h["reason"] == "measuring"
+    rc, out, _ = cli(capsys, monkeypatch, st, "admin", "hold", "lift", "--reason", "measured")
+    assert rc == 0 and "held: nothing" in out and "measured" in out
+    assert [e.action for e in st.admin.audit(action="hold.set")] == ["hold.set", "hold.set"]
