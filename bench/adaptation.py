@@ -43,7 +43,6 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,58 +51,10 @@ from tqdm import tqdm
 
 import promptsets as ds
 from adaflash.config import LearnerConfig, Settings
+from promptsets.narrow import NARROW_DOMAINS  # noqa: F401  (the domains this bench streams)
 
 METHODS = ("frozen", "osd", "rkl", "opd")
 LOSS_OF = {"osd": "osd", "rkl": "rkl", "opd": "opd"}
-
-
-@dataclass(frozen=True)
-class NarrowDomain:
-    """A tenant's narrow traffic: where its stream and its held-out prompts come from."""
-
-    name: str
-    base: str  # the promptsets domain
-    description: str
-    stream: Callable[[int], list[dict]]  # n -> training-split prompts never used offline
-    heldout: Callable[[int], list[dict]]  # n -> held-out prompts of the same distribution
-    split: str = ""  # the datasets.is_heldout rule its ids follow (empty: base)
-
-    @property
-    def split_rule(self) -> str:
-        return self.split or self.base
-
-
-def _math_stream(n: int) -> list[dict]:
-    # Offline data takes math seeds from 0 upwards (a few thousand at most); the stream
-    # starts far beyond, still inside the training split (seeds < 1,000,000).
-    return ds.train_prompts("math", n, offset=500_000)
-
-
-def _keyword_chat(words: tuple[str, ...], heldout: bool, n: int, skip: int) -> list[dict]:
-    rows = ds.heldout_prompts("chat") if heldout else ds.train_prompts("chat")
-    hits = [r for r in rows if any(w in r["prompt"].lower() for w in words) and len(r["prompt"]) < 600]
-    return hits[skip: skip + n]
-
-
-# Chat prompts used by offline training come from the start of the file; the Python
-# support desk stream skips the first 2,000 training conversations.
-_PY = ("python", "pandas", "numpy", "django", "flask")
-
-NARROW_DOMAINS: dict[str, NarrowDomain] = {
-    "math": NarrowDomain("math", "math", "grade-school word problems of one tutoring tenant (synthetic "
-                         "templates; stream seeds 500,000+, held-out seeds 1,000,000+)",
-                         _math_stream, lambda n: ds.heldout_prompts("math", n)),
-    "support-desk": NarrowDomain("support-desk", "chat", "one online shop's customer-support messages (synthetic "
-                                 "templates: orders, returns, refunds, shipping; stream seeds 0+, held-out "
-                                 "seeds 1,000,000+; never used offline)",
-                                 lambda n: ds.support_prompts(False, n), lambda n: ds.support_prompts(True, n),
-                                 split="support"),
-    "python-desk": NarrowDomain("python-desk", "chat", "one support desk's Python questions (ShareGPT "
-                                "conversations mentioning Python libraries)",
-                                lambda n: [r for r in _keyword_chat(_PY, False, n + 400, 0)
-                                           if int(r["id"].rsplit("/", 1)[-1]) >= 2000][:n],
-                                lambda n: _keyword_chat(_PY, True, n, 0)),
-}
 
 
 @dataclass

@@ -1,14 +1,19 @@
-"""``adaflash demo``: held-out traffic through a running stack, adaptation shown live.
+"""``adaflash demo``: one narrow domain's traffic through a running stack, adaptation shown live.
 
-1. Before: a fixed measurement set (held-out prompts of every domain) is served under a
+The tenants' traffic is ``web-desk`` (promptsets/narrow.py): real front-end questions that
+neither the offline drafter data nor the adaptation benchmark uses.
+
+1. Before: a fixed measurement set (the domain's held-out prompts) is served under a
    tenant whose feedback is opted out, so the learner never trains on what is measured;
-   tau (mean accepted tokens per verify round) and tokens/s per domain are recorded.
-2. Adapt: several tenants send other held-out prompts of their domains; their feedback
-   flows to the learner. The terminal shows tau / TPS per domain over the last requests,
-   candidates as they appear in the control plane, their evaluation, gate decision,
-   approval and promotion, until the node serves a new champion.
-3. After: the same measurement set again. A before/after table is printed and written,
-   with a PNG, under $ADAFLASH_HOME/demo (or --out).
+   tau (mean accepted tokens per verify round) and tokens/s are recorded. Learning and
+   shadow evaluation are held (controlplane/hold.py) while it runs, so the measurement
+   has the machine to itself.
+2. Adapt: two tenants send the domain's stream (training split); their feedback flows to
+   the learner. The terminal shows tau / TPS over the last requests, candidates as they
+   appear in the control plane, their evaluation, gate decision, approval and promotion,
+   until the node serves a new champion.
+3. After: the same measurement set again, under the hold again. A before/after table is
+   printed and written, with a PNG, under $ADAFLASH_HOME/demo (or --out).
 
 Candidates awaiting approval are approved through the admin API unless
 --no-auto-approve (the embedded stack's demo policy approves by itself).
@@ -29,6 +34,7 @@ from adaflash.controlplane_client import ControlPlaneClient, ControlPlaneError
 from adaflash.credentials import read_file
 from adaflash.stack_state import live_status
 from demo.traffic import (
+    DOMAIN,
     EVAL_TENANT,
     TENANTS,
     Client,
@@ -71,6 +77,7 @@ class Demo:
         self.plain = False  # not a terminal: events as plain lines instead of a live view
         self.started = time.monotonic()
         self.promoted_evt = threading.Event()  # set by the poller: stop the traffic batch early
+        self.holds: list[dict] = []  # each measurement's learning hold: taken, taken effect, after how long
 
     # -- live view
     def event(self, text: str) -> None:
@@ -150,9 +157,44 @@ class Demo:
             self.event(f"{ver}: {a['decision']} by {a['actor']}")
 
     # -- phases
-    def measure(self, prompts: dict[str, list[str]]) -> list[Result]:
+    def measure(self, prompts: dict[str, list[str]], phase: str) -> list[Result]:
         jobs = [(p, d, EVAL_TENANT) for d, ps in prompts.items() for p in ps]
-        return run_batch(self.client, jobs, self.args.concurrency, self.results)
+        with self.learning_held(phase):
+            return run_batch(self.client, jobs, self.args.concurrency, self.results)
+
+    @contextlib.contextmanager
+    def learning_held(self, phase: str):
+        """Hold learning and shadow evaluation (controlplane/hold.py) while a measurement runs, so
+        it has the machine to itself; waits until the hold has taken effect (a learner step or
+        an evaluation under way finishes first) and restores the hold found before."""
+        t0 = time.monotonic()
+        note = {"phase": phase, "held": False, "quiet": False, "waited_s": 0.0}
+        self.holds.append(note)
+        try:
+            was = self.cp.get_hold()
+            h = self.cp.set_hold(True, True, f"adaflash demo: measuring {phase}")
+        except ControlPlaneError as e:
+            note["error"] = e.message
+            self.event(f"[yellow]could not hold learning for the {phase} measurement ({e.message}); "
+                       "measuring beside it[/yellow]")
+            yield
+            return
+        note["held"] = True
+        self.event(f"learning and shadow evaluation held for the {phase} measurement; waiting until they pause")
+        deadline = t0 + self.args.quiet_timeout
+        while not h.quiet and time.monotonic() < deadline:
+            time.sleep(2.0)
+            with contextlib.suppress(ControlPlaneError, httpx.HTTPError):
+                h = self.cp.get_hold()
+        note["quiet"], note["waited_s"] = h.quiet, round(time.monotonic() - t0, 1)
+        if not h.quiet:
+            self.event(f"[yellow]learners or an evaluation still busy after {self.args.quiet_timeout:.0f}s "
+                       f"(evaluating: {', '.join(h.evaluating) or '-'}); measuring anyway[/yellow]")
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ControlPlaneError, httpx.HTTPError):
+                self.cp.set_hold(was.learning, was.evaluation, was.reason or f"adaflash demo: {phase} measured")
 
     def run(self) -> int:
         from rich.console import Console
@@ -160,7 +202,7 @@ class Demo:
 
         console = Console()
         self.plain = not console.is_terminal
-        n_eval = self.args.requests or 6
+        n_eval = self.args.requests or 24
         ev, traffic, source = prompts_by_domain(n_eval, 200)
         console.print(f"prompts: {source}; measurement set {sum(map(len, ev.values()))} requests "
                       f"(tenant {EVAL_TENANT}, feedback opted out)")
@@ -178,7 +220,7 @@ class Demo:
             poller.start()
             self.phase = "before: measuring"
             self.event(f"measuring the baseline: {sum(map(len, ev.values()))} requests")
-            before = self.measure(ev)
+            before = self.measure(ev, "before")
             self.baseline_version = _mode([r.version for r in before if r.ok])
             self.event(f"baseline measured on drafter {self.baseline_version}; tau {tau_of(before):.2f}")
             self.phase = "adapting: tenant traffic"
@@ -203,7 +245,7 @@ class Demo:
                 self.event(f"{self.promoted} is champion; the node's /admin/drafter reports "
                            f"{self.node_drafter.get('version')} after {_dur(time.monotonic() - self.started)}")
                 self.phase = f"after: measuring on {self.promoted}"
-                after = self.measure(ev)
+                after = self.measure(ev, "after")
                 self.figures = self.promoted_figures()
             else:
                 self.event(f"deadline of {self.args.timeout:.0f}s passed without a promotion")
@@ -309,8 +351,7 @@ class Demo:
                       f"{r['tps_before']:.1f}", _f(r["tps_after"], 1))
         console.print(t)
         console.print(f"tau: committed tokens per verify round (1.00 = every round verified one token). tok/s: "
-                      f"mean per request at concurrency {self.args.concurrency}; the learner and the shadow "
-                      "evaluation share this machine's CPU and may be busy during either measurement.")
+                      f"mean per request at concurrency {self.args.concurrency}. " + _hold_line(self.holds))
         hist = Table(title="candidates", title_justify="left")
         for c in ("version", "state", "reason"):
             hist.add_column(c)
@@ -330,7 +371,8 @@ class Demo:
                           f"reported {fig['realised_tau']:.3f} over {fig['realised_samples']} heartbeats "
                           f"(ratio {fig['tau_ratio']:.3f}; GET /api/v1/versions/{self.promoted} shows both)")
         summary = {"baseline_version": self.baseline_version, "promoted_version": self.promoted,
-                   "predicted_realised": fig or None,
+                   "predicted_realised": fig or None, "domain": DOMAIN, "tenants": sorted(TENANTS),
+                   "measurement_holds": self.holds,
                    "node_admin_drafter": self.node_drafter, "after_served_by": after_versions,
                    "elapsed_s": round(elapsed, 1), "rows": rows,
                    "versions": {v: {k: x for k, x in row.items() if not k.startswith("_")}
@@ -385,6 +427,17 @@ class _NoLive:
 
     def update(self, *_) -> None:
         return None
+
+
+def _hold_line(holds: list[dict]) -> str:
+    """How the measurements were protected from the learner and shadow evaluation."""
+    if holds and all(h["held"] and h["quiet"] for h in holds):
+        waits = ", ".join(f"{h['waited_s']:.0f}s" for h in holds)
+        return ("Every measurement ran under a learning hold: learners and shadow evaluation paused "
+                f"(waited {waits} for them to pause).")
+    return ("Some measurement ran beside the learner or shadow evaluation: "
+            + "; ".join(f"{h['phase']}: {'held' if h['held'] else 'not held'}, {'paused' if h['quiet'] else 'busy'}"
+                        for h in holds) + ".")
 
 
 def _dur(s: float) -> str:

@@ -9,41 +9,25 @@ from dataclasses import dataclass, field
 
 import httpx
 
-TENANTS = {"acme": "code", "globex": "math", "initech": "chat"}  # traffic tenant -> its domain
+DOMAIN = "web-desk"  # the tenants' narrow domain (promptsets/narrow.py): neither offline data nor the benchmark's
+TENANTS = {"acme": DOMAIN, "initech": DOMAIN}  # traffic tenant -> its domain (two teams of one agency)
 EVAL_TENANT = "demo-eval"  # measurement traffic: feedback opted out
-FALLBACK_PROMPTS = {
-    "chat": ["Give three tips for a good night's sleep.", "What is the difference between weather and climate?",
-             "Write a short thank-you note to a colleague.", "Explain what a mortgage is in two sentences.",
-             "Suggest a name for a bakery and say why.", "How do I politely decline a meeting?"],
-    "code": ["def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
-             "def fib(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-             "def count_vowels(s: str) -> int:\n    \"\"\"Count the vowels in s.\"\"\"\n",
-             "def flatten(xs: list) -> list:\n    \"\"\"Flatten a nested list.\"\"\"\n"],
-    "math": ["Tom has 12 apples and gives 5 to Ann. How many apples does Tom have left?",
-             "A train travels 60 km per hour for 3 hours. How far does it go?",
-             "Sara buys 4 pens at 3 dollars each. How much does she pay?",
-             "There are 30 students and 6 groups. How many students are in each group?"],
-}
 STATE_ORDER = ("registered", "evaluating", "gate_failed", "awaiting_approval", "approved", "canary", "champion",
                "retired", "rejected", "expired", "rolled_back")
 
 
 def prompts_by_domain(n_eval: int, n_traffic: int) -> tuple[dict[str, list[str]], dict[str, list[str]], str]:
-    """(measurement prompts, traffic prompts, source) per domain, disjoint."""
-    try:
-        from promptsets import DOMAINS, heldout_prompts
+    """(measurement prompts, traffic prompts, source) per domain: the measurement set from the
+    domain's held-out split, the tenants' traffic from its stream (training split, never used by
+    the offline drafter data)."""
+    from promptsets.narrow import NARROW_DOMAINS
 
-        ev, tr = {}, {}
-        for d in DOMAINS:
-            rows = [r["prompt"] for r in heldout_prompts(d, n_eval + n_traffic)]
-            if len(rows) < n_eval + 1:
-                raise ValueError(f"too few held-out prompts for {d}")
-            ev[d], tr[d] = rows[:n_eval], rows[n_eval:]
-        return ev, tr, "held-out split of promptsets"
-    except Exception as e:  # noqa: BLE001 - datasets not installed: the built-in list
-        ev = {d: p[: max(1, len(p) // 2)] for d, p in FALLBACK_PROMPTS.items()}
-        tr = {d: p[max(1, len(p) // 2):] for d, p in FALLBACK_PROMPTS.items()}
-        return ev, tr, f"built-in prompts ({type(e).__name__})"
+    nd = NARROW_DOMAINS[DOMAIN]
+    ev = [r["prompt"] for r in nd.heldout(n_eval)]
+    tr = [r["prompt"] for r in nd.stream(n_traffic)]
+    if not ev or not tr:
+        raise ValueError(f"the {DOMAIN} prompt set is empty (held-out {len(ev)}, stream {len(tr)})")
+    return {DOMAIN: ev}, {DOMAIN: tr}, f"{DOMAIN}: {nd.description}"
 
 
 @dataclass

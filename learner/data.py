@@ -155,10 +155,18 @@ def generate(target, tok, prompts: list[str], max_new_tokens: int, max_running: 
 
 
 def _items(spec: StreamSpec, i: int) -> list[dict]:
+    """Shard ``i``'s training items; chat stops at ``OFFLINE_CHAT_END`` (the narrow domains' streams
+    start there, promptsets/narrow.py)."""
+    from promptsets.narrow import OFFLINE_CHAT_END
+
     off = i * spec.shard_size
     if spec.kind == "tf":
-        return ds.train_texts(spec.domain, spec.shard_size, offset=off)
-    return ds.train_prompts(spec.domain, spec.shard_size, offset=off)
+        items = ds.train_texts(spec.domain, spec.shard_size, offset=off)
+    else:
+        items = ds.train_prompts(spec.domain, spec.shard_size, offset=off)
+    if spec.domain == "chat":
+        items = [it for it in items if int(it["id"].rsplit("/", 1)[-1]) < OFFLINE_CHAT_END]
+    return items
 
 
 def build_shard(target, tok, spec: StreamSpec, i: int, root: Path, layers: tuple[int, ...]) -> dict | None:

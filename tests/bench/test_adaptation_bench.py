@@ -82,8 +82,8 @@ def test_bench_cli_writes_result_and_plot(target_dir, drafter_dir, tmp_path, mon
 
 
 def test_narrow_domains_stream_training_prompts_and_score_on_the_heldout_split():
-    from bench.adaptation import NARROW_DOMAINS
     from promptsets import is_heldout
+    from promptsets.narrow import NARROW_DOMAINS, OFFLINE_CHAT_END
 
     for nd in NARROW_DOMAINS.values():
         stream, held = nd.stream(20), nd.heldout(5)
@@ -92,6 +92,8 @@ def test_narrow_domains_stream_training_prompts_and_score_on_the_heldout_split()
         assert not any(is_heldout(nd.split_rule, index[r["id"]]) for r in stream)
         assert all(is_heldout(nd.split_rule, index[r["id"]]) for r in held)
         assert {r["id"] for r in stream}.isdisjoint(r["id"] for r in held)
+        if nd.base == "chat" and nd.split_rule == "chat":  # ShareGPT streams: never what offline data reads
+            assert min(index[r["id"]] for r in stream) >= OFFLINE_CHAT_END
 
 
 def test_bench_cli_rejects_bad_input(capsys):

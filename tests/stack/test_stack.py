@@ -160,13 +160,18 @@ def test_demo_drives_traffic_and_reports(stack):
     summary = json.loads((home / "demo" / "demo.json").read_text())
     assert summary["baseline_version"] == "v0" and summary["promoted_version"] is None
     by = {row["domain"]: row for row in summary["rows"]}
-    assert set(by) == {"chat", "code", "math", "all"} and by["all"]["n"] >= 3 and by["all"]["tau_before"] >= 1.0
+    assert set(by) == {"web-desk", "all"} and by["all"]["n"] >= 1 and by["all"]["tau_before"] >= 1.0
+    # the measurement ran under a learning hold that took effect, and the hold is lifted again
+    assert [(h["phase"], h["held"], h["quiet"]) for h in summary["measurement_holds"]] == [("before", True, True)]
+    assert "under a learning hold" in r.stdout
     assert (home / "demo" / "demo.png").stat().st_size > 1000
     token = (home / "admin-token").read_text().strip()
     ep = status(env)["endpoints"]
     pol = httpx.get(f"{ep['controlplane_api']}/tenants/demo-eval/policy", timeout=5,
                     headers={"Authorization": f"Bearer {token}"}).json()
     assert pol["opt_out"] is True  # what the demo measures is never learned from
+    hold = httpx.get(f"{ep['controlplane_api']}/hold", timeout=5, headers={"Authorization": f"Bearer {token}"}).json()
+    assert hold["learning"] is False and hold["evaluation"] is False
 
 
 def test_down_leaves_no_process(stack):
