@@ -219,6 +219,9 @@ class OfflineConfig(BaseModel):
     init_bigram: bool = True  # write a low-rank bigram model into the first layer (learner.offline_init)
     bigram_temperature: float = 0.15
     init_layers: list[int] | None = None  # target layers copied into the drafter (default: the last ones)
+    # a drafter bundle to continue from (e.g. the committed starter) instead of a fresh initialisation;
+    # its shape (layers, target layers, draft vocabulary, head) must be this configuration's
+    init_bundle: str = ""
     draft_vocab_size: int = Field(default=8192, ge=0)  # 0: full vocabulary
     vocab_prior: bool = True  # add reference-text token counts to the label counts
     block_size: int = 16

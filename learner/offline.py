@@ -278,6 +278,8 @@ def _restore_or_init(target, tok, pool: Pool, ckpt: Path, cfg: TrainConfig):
                                "use another --out")
         drafter.set_vocab_map(state["vocab_map"])
         drafter.load_state_dict(state["drafter"])
+    elif cfg.init_bundle:
+        _continue_from(drafter, target, cfg)
     else:
         if cfg.draft_vocab_size:
             drafter.set_vocab_map(frequent_vocab(pool, cfg.draft_vocab_size, [tok.eos_token_id],
@@ -291,6 +293,23 @@ def _restore_or_init(target, tok, pool: Pool, ckpt: Path, cfg: TrainConfig):
                                     temperature=cfg.bigram_temperature)
     drafter.bind(target)
     return drafter, state, init_stats
+
+
+def _continue_from(drafter, target, cfg: TrainConfig) -> None:
+    """Weights and draft vocabulary of ``cfg.init_bundle`` (a run continued across sessions or from
+    the committed starter); refused when the bundle's shape is not this configuration's."""
+    from dataplane.drafter_io import load_bundle
+
+    src, _ = load_bundle(cfg.init_bundle, target)
+    want = {"num_layers": cfg.num_layers, "target_layers": list(cfg.target_layers), "block_size": cfg.block_size,
+            "draft_vocab_size": cfg.draft_vocab_size, "head_hidden": cfg.head_hidden}
+    have = {k: getattr(src.config, k) for k in want}
+    if have != want:
+        diff = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
+        raise RuntimeError(f"{cfg.init_bundle} does not have this run's shape (bundle, run): {diff}")
+    drafter.set_vocab_map(src.vocab_map.clone())
+    drafter.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v
+                             for k, v in src.state_dict().items()})
 
 
 def _vocab_index(drafter, vocab_size: int) -> torch.Tensor:
@@ -404,6 +423,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train", unit="step")
     drafter.train()
     ema = None
+    last_tau: dict[str, str] = {}  # the latest held-out tau per domain, shown on the progress bar
     stopped = "steps"
     while step < cfg.steps:
         if cfg.time_budget_s and time.time() - t_start > cfg.time_budget_s:
@@ -425,7 +445,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
             log({"type": "train", "step": step, "loss": lv, "head_mse": float(head_loss),
                  "lr": opt.param_groups[0]["lr"], **st, "compute_s": round(compute_s, 1)})
         bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{st['acc1']:.2f}")
+        bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{st['acc1']:.2f}", **last_tau)
         if cfg.val_every and step % cfg.val_every == 0:
             drafter.eval()
             log({"type": "val", "step": step, "val": validate(drafter, pool, cfg, vocab_index)})
@@ -434,7 +454,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
             save_ckpt()
             plot(out)
         if cfg.eval_every and step % cfg.eval_every == 0:
-            run_eval()
+            last_tau = {f"tau_{d}": f"{r['tau']:.2f}" for d, r in run_eval()["domains"].items()}
     bar.close()
     save_ckpt()
     drafter.eval()

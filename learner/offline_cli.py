@@ -6,7 +6,9 @@
 The defaults are the committed starter's recipe (see dataplane/starter/README.md).
 
 Rerunning the same command resumes both the data preparation (finished shards are kept
-under <cache>/data/<target>) and the training (``<out>/ckpt.pt``).
+under <cache>/data/<target>) and the training (``<out>/ckpt.pt``; ``--resume`` insists on
+one). ``--budget-hours`` bounds a session's share of a long run; ``--init-bundle`` starts
+from an existing drafter (e.g. the committed starter) instead of a fresh initialisation.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _FLAGS = (
     ("--steps", int, None), ("--time-budget", float, "stop training after this many seconds"),
     ("--seed", int, None), ("--num-layers", int, None), ("--target-layers", _ints, "e.g. 1,18,27,29"),
     ("--init-layers", _ints, "target layers copied into the drafter (default: last ones)"),
+    ("--init-bundle", str, "continue from this drafter bundle (e.g. dataplane/starter) instead of a fresh start"),
     ("--draft-vocab", int, "reduced output vocabulary; 0 = full"), ("--lr", float, None), ("--warmup", int, None),
     ("--min-lr-ratio", float, None), ("--seqs-per-step", int, None),
     ("--anchors", int, "anchors (blocks) per sequence"), ("--decay", float, None), ("--kinds", _strs, None),
@@ -56,6 +59,8 @@ def training_config(args, settings):
             update[_SETTING.get(name, name)] = value
     if "val_every" in update:
         update["ckpt_every"] = update["val_every"]
+    if args.budget_hours is not None:
+        update["time_budget_s"] = args.budget_hours * 3600.0
     if args.no_init_from_target:
         update["init_from_target"] = False
     if args.no_init_bigram:
@@ -74,6 +79,9 @@ def register(subparsers) -> None:
     # whose defaults are the committed starter's recipe.
     for flag, kind, help_ in _FLAGS:
         p.add_argument(flag, type=kind, default=None, help=help_)
+    p.add_argument("--budget-hours", type=float, default=None,
+                   help="stop training after this many hours (resumable: the same command continues)")
+    p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to continue from")
     p.add_argument("--no-init-from-target", action="store_true")
     p.add_argument("--no-init-bigram", action="store_true", help="skip the bigram initialisation")
     p.add_argument("--install", default="", help="copy the final bundle here (e.g. dataplane/starter)")
@@ -83,6 +91,7 @@ def register(subparsers) -> None:
 def run(args, settings) -> int:
     import torch
 
+    from adaflash.cli import CliError
     from dataplane.runner import load_training_target
     from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
@@ -90,6 +99,8 @@ def run(args, settings) -> int:
     from learner.offline import train
 
     cfg = training_config(args, settings)
+    if args.resume and not (Path(args.out) / "ckpt.pt").is_file():
+        raise CliError(f"--resume: no checkpoint in {args.out} (ckpt.pt); leave --resume out to start a run")
     torch.set_num_threads(cfg.threads)
     d, target = load_training_target(settings, cpu_settings=False)
     tok = Tokenizer(d)

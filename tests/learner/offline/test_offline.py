@@ -136,3 +136,46 @@ def test_bigram_init_is_what_the_drafter_computes(tiny_target, tok, tmp_path):
             hits += int((pred == e.labels[anchors]).sum())
             total += len(anchors)
     assert abs(hits / total - st["fit_acc"]) < 0.02
+
+
+def test_a_run_continues_from_a_bundle_and_refuses_another_shape(tiny_target, tok, tmp_path):
+    root = tmp_path / "data"
+    _prepare(tiny_target, tok, root)
+    cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=64, head_hidden=16, steps=5,
+                        lr=3e-3, warmup=1, seqs_per_step=2, anchors_per_seq=4, val_every=0, eval_prompts=0,
+                        domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0, streams=[],
+                        domain_weights={})
+    ident = {"id": "tiny", "sha256": "0" * 64}
+    O.train(tiny_target, tok, tmp_path, root, tmp_path / "first", cfg, progress=False, target_identity=ident)
+    from dataplane.drafter_io import load_bundle
+
+    src, _ = load_bundle(tmp_path / "first" / "bundle", tiny_target, ident)
+    # steps=0: the continued run's bundle is the source's weights and draft vocabulary, not a fresh start
+    cont = O.TrainConfig(**{**cfg.__dict__, "steps": 0, "init_bundle": str(tmp_path / "first" / "bundle")})
+    O.train(tiny_target, tok, tmp_path, root, tmp_path / "second", cont, progress=False, target_identity=ident)
+    got, _ = load_bundle(tmp_path / "second" / "bundle", tiny_target, ident)
+    assert torch.equal(got.vocab_map, src.vocab_map)
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), src.state_dict().values(), strict=True))
+    fresh = O.TrainConfig(**{**cfg.__dict__, "steps": 0})
+    O.train(tiny_target, tok, tmp_path, root, tmp_path / "fresh", fresh, progress=False, target_identity=ident)
+    other, _ = load_bundle(tmp_path / "fresh" / "bundle", tiny_target, ident)
+    assert not torch.equal(other.fc.weight, src.fc.weight)  # what a fresh start would have been
+    wrong = O.TrainConfig(**{**cont.__dict__, "draft_vocab_size": 32})
+    with pytest.raises(RuntimeError, match="draft_vocab_size"):
+        O.train(tiny_target, tok, tmp_path, root, tmp_path / "third", wrong, progress=False, target_identity=ident)
+
+
+def test_cli_budget_in_hours_and_resume_needs_a_checkpoint(tmp_path, capsys):
+    import argparse
+
+    from adaflash.cli import main
+    from adaflash.config import load_config
+    from learner.offline_cli import register, training_config
+
+    assert main(["train-offline", "--out", str(tmp_path / "none"), "--resume"]) != 0
+    assert "--resume: no checkpoint" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train-offline", "--budget-hours", "1.5", "--init-bundle", "dataplane/starter"])
+    cfg = training_config(args, load_config(home=tmp_path / "home"))
+    assert cfg.time_budget_s == 5400.0 and cfg.init_bundle == "dataplane/starter"
