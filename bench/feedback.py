@@ -73,7 +73,7 @@ def run(settings, concurrency: int, n_requests: int, max_tokens: int, pairs: int
                 node.emitter = emitter
                 engine.on_finish = node.on_request_finished
             r = run_closed_loop(engine, ids, concurrency, max_tokens)
-            r.pop("outputs")
+            r.pop("outputs"), r.pop("head_samples")
             runs.append({"feedback": on, **r})
         t0 = time.perf_counter()
         drained = node.feedback.drain(timeout=600) and emitter.drain(timeout=600)

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from adaflash.config import Settings
+from dataplane.spec_policy import PolicyConfig
 
 DOMAINS = ("chat", "code", "math")
 
@@ -89,7 +90,24 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_t
     return {"wall_s": wall, "tokens": tokens, "tps": tokens / wall, "tau": (tokens - len(done)) / rounds if rounds else 0.0,
             "mean_k_hat": verified / rounds if rounds else 0.0, "ttft_ms_p50": _pct(ttft, 0.5),
             "ttft_ms_p99": _pct(ttft, 0.99), "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99),
-            "step_ms_p50": _pct(steps, 0.5), "requests": len(done), "outputs": [s.output_ids for s in done]}
+            "step_ms_p50": _pct(steps, 0.5), "requests": len(done), "outputs": [s.output_ids for s in done],
+            # (a_hat, accepted drafts, drafts verified) of every round that drafted: the head's calibration
+            "head_samples": [(r.a_hat, r.accepted, r.k_hat - 1) for s in done for r in s.rounds if r.k_hat > 1]}
+
+
+def head_calibration(samples: list[tuple[float, int, int]], cfg) -> dict:
+    """The length head against what verification kept, per block position
+    (``dataplane.spec_policy.position_ece``, the shadow report's measure)."""
+    from dataplane import spec_policy as sp
+
+    if not samples:
+        return {"rounds": 0, "position_ece": [], "mean_ece": None}
+    ece = sp.position_ece(samples, cfg)
+    used = [e for i, e in enumerate(ece, start=1) if any(n >= i for _, _, n in samples)]
+    return {"rounds": len(samples), "position_ece": [round(e, 4) for e in ece],
+            "mean_ece": round(sum(used) / len(used), 4) if used else None,
+            "mean_a_hat": round(sum(a for a, _, _ in samples) / len(samples), 4),
+            "mean_kept_share": round(sum(acc / n for _, acc, n in samples) / len(samples), 4)}
 
 
 MODE_ORDER = ["ar", "fixed", "adaptive", "adaptive-budget"]
@@ -230,7 +248,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
     for mode in modes:
         engines[mode] = _engine(node, dp, mode, drafter, version, settings, tok)
         run_closed_loop(engines[mode], [ids[0] for ids in by_domain.values()], 2, 8)  # allocate, lay out
-    rows, outputs = [], {}
+    rows, outputs, heads = [], {}, {m: [] for m in modes}
     # repeats go round every mode in turn, so a slow spell of a shared machine hits each mode alike
     jobs = [(m, c, d, k) for c in concurrency for k in range(repeats) for m in modes for d in by_domain]
     for mode, c, domain, k in tqdm(jobs, desc="throughput", unit="run"):
@@ -238,6 +256,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
         batch = [ids[i % len(ids)] for i in range(max(min_requests, c))]
         r = run_closed_loop(engines[mode], batch, c, max_tokens)
         outputs[(mode, c, domain, k)] = r.pop("outputs")
+        heads[mode] += r.pop("head_samples")
         rows.append({"mode": mode, "concurrency": c, "domain": domain, "repeat": k, **r})
     _aggregate(rows, concurrency, modes)
     target_b = weight_bytes(node.target)
@@ -259,6 +278,7 @@ def run(settings: Settings, prompts_path: str | None, modes: list[str], concurre
               "greedy_identical_share": round(sum(same) / len(same), 4) if same else None,
               "verify_cost": verify_cost_curve(node.target), "packed_verify": packed_verify_cost(node.target),
               "cost_model": node.engine.cost.snapshot().model_dump(),
+              "head_calibration": {m: head_calibration(heads[m], PolicyConfig.of(dp)) for m in modes if m != "ar"},
               "forward_paths": forward_paths(node.target_dir, any(f in machine["cpu_flags"] for f in BF16_FLAGS))}
     if compare_transformers and "ar" in modes:
         result["baselines"] = _baselines(node, dp, settings, tok, by_domain, max_tokens, llama_gguf)

@@ -45,3 +45,22 @@ def test_bench_throughput_reports_machine_bound_and_verify_curve(tmp_path, real_
     paths = {(p["precision"], p["path"], p["tokens"]) for p in result["forward_paths"]}
     assert ("float32", "module reference", 1) in paths and ("float32", "fused", 16) in paths
     assert (tmp_path / "out" / "result.json").is_file() and (tmp_path / "out" / "plot.png").stat().st_size > 0
+    hc = result["head_calibration"]
+    assert set(hc) == {"adaptive"} and hc["adaptive"]["rounds"] >= 0
+    assert hc["adaptive"]["rounds"] == 0 or len(hc["adaptive"]["position_ece"]) == settings.dataplane.block_size - 1
+
+
+def test_head_calibration_per_block_position():
+    from adaflash.config import DataplaneConfig
+    from bench.throughput import head_calibration
+    from dataplane.spec_policy import PolicyConfig
+
+    cfg = PolicyConfig.of(DataplaneConfig(block_size=4))
+    assert head_calibration([], cfg) == {"rounds": 0, "position_ece": [], "mean_ece": None}
+    # a head that says "everything is kept" while verification keeps nothing is off by ~1 at every position
+    wrong = head_calibration([(0.999, 0, 3)] * 20, cfg)
+    assert wrong["rounds"] == 20 and len(wrong["position_ece"]) == 3 and wrong["mean_ece"] > 0.9
+    assert wrong["mean_a_hat"] == 0.999 and wrong["mean_kept_share"] == 0.0
+    # ... and one that says so when verification keeps everything is right
+    right = head_calibration([(0.999, 3, 3)] * 20, cfg)
+    assert right["mean_ece"] < 0.05
