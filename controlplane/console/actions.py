@@ -1,4 +1,5 @@
-"""The console's form posts: log in and out, approve, reject, roll back, pin, tenant policy, deletion.
+"""The console's form posts: log in and out, approve, reject, roll back, pin, tenant policy, deletion,
+the learning hold.
 
 Every post checks the session's CSRF token, then the API's role check, then calls the
 API's route function, which validates the body, acts, audits and commits.
@@ -12,8 +13,8 @@ from fastapi import APIRouter, Form, Request
 from starlette.responses import Response
 
 from controlplane.api.deps import ADMIN, APPROVE
-from controlplane.api.routes import tenants, versions
-from controlplane.api.schemas import ApproveIn, DeletionIn, PinIn, ReasonIn, TenantPolicyIn
+from controlplane.api.routes import hold, tenants, versions
+from controlplane.api.schemas import ApproveIn, DeletionIn, HoldIn, PinIn, ReasonIn, TenantPolicyIn
 from controlplane.auth import authenticate
 from controlplane.console import session as sess
 from controlplane.console.pages import TenantPath, VersionPath
@@ -127,5 +128,19 @@ def create_deletion(request: Request, csrf: Csrf, tenant_id: Annotated[str, Form
         with request.app.state.sessions() as db:
             tenants.create_deletion(body=body, session=db, settings=request.app.state.settings, who=s.principal)
         return redirect("/console/deletions", "deletion")
+
+    return guard(request, run)
+
+
+@router.post("/hold")
+def put_hold(request: Request, csrf: Csrf, reason: FormText = "", learning: Annotated[bool, Form()] = False,
+             evaluation: Annotated[bool, Form()] = False) -> Response:
+    def run(s: sess.ConsoleSession) -> Response:
+        sess.check_csrf(request, s, csrf)
+        require(s.principal, ADMIN)
+        body = HoldIn(learning=learning, evaluation=evaluation, reason=reason)
+        with request.app.state.sessions() as db:
+            hold.put_hold(body=body, session=db, who=s.principal)
+        return redirect("/console/nodes", "hold")
 
     return guard(request, run)

@@ -1,4 +1,5 @@
-"""The console's pages (GET): versions, one version, nodes, tenants, deletions and the audit log.
+"""The console's pages (GET): versions, one version, nodes (and the learning hold), tenants, deletions
+and the audit log.
 
 Each page reads through the admin API's route functions, after the API's role check.
 """
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from controlplane.api.deps import ADMIN, APPROVE, READ
-from controlplane.api.routes import audit, evaluations, nodes, tenants, versions
+from controlplane.api.routes import audit, evaluations, hold, nodes, tenants, versions
 from controlplane.api.routes.evaluations import PLOT_PATTERN
 from controlplane.api.schemas import ID_PATTERN, VERSION_PATTERN
 from controlplane.console import session as sess
@@ -96,7 +97,8 @@ def nodes_page(request: Request) -> Response:
         require(s.principal, READ)
         with request.app.state.sessions() as db:
             rows = nodes.list_nodes(session=db, settings=request.app.state.settings, _=s.principal)
-        return render(request, s, "nodes.html", nodes=rows)
+            held = hold.get_hold(session=db, who=s.principal)
+        return render(request, s, "nodes.html", nodes=rows, hold=held, may_hold=may(s.principal, ADMIN))
 
     return guard(request, page)
 

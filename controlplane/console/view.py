@@ -26,6 +26,7 @@ NOTICES = {
     "unpinned": "Released.",
     "policy": "Tenant policy stored.",
     "deletion": "Deletion request created.",
+    "hold": "Learning hold stored.",
     "logged_out": "Logged out.",
 }
 

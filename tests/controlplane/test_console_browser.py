@@ -173,6 +173,36 @@ def test_pages_for_nodes_tenants_deletions_and_audit(browser, console, tmp_path)
     ctx.close()
 
 
+def test_admin_holds_learning_from_the_nodes_page_and_a_viewer_cannot(browser, console, tmp_path):
+    st, _ = console
+    ctx, page = login(browser, st, "viewer")
+    page.goto(f"{st.cp.url}/console/nodes")
+    assert "nothing held" in page.locator("#hold").inner_text()
+    assert page.locator("#save-hold").is_disabled()
+    ctx.close()
+    ctx, page = login(browser, st, "admin")
+    page.goto(f"{st.cp.url}/console/nodes")
+    page.check("#hold input[name=learning]")
+    page.check("#hold input[name=evaluation]")
+    page.fill("#hold input[name=reason]", "load test (OPS-77)")
+    page.click("#save-hold")
+    page.wait_for_load_state()
+    assert "Learning hold stored" in page.locator(".notice").inner_text()
+    text = page.locator("#hold").inner_text()
+    assert "held: learning, evaluation" in text and "OPS-77" in text
+    h = st.admin.get_hold()
+    assert h.learning and h.evaluation and h.reason == "load test (OPS-77)"
+    shoot(page, "hold", tmp_path)
+    page.uncheck("#hold input[name=learning]")
+    page.uncheck("#hold input[name=evaluation]")
+    page.fill("#hold input[name=reason]", "load test done")
+    page.click("#save-hold")
+    page.wait_for_load_state()
+    assert "nothing held" in page.locator("#hold").inner_text()
+    assert not st.admin.get_hold().learning
+    ctx.close()
+
+
 def test_auditor_sees_only_their_tenant(browser, console):
     st, v = console
     ctx, page = login(browser, st, "auditor")
