@@ -173,6 +173,15 @@ def test_pages_for_nodes_tenants_deletions_and_audit(browser, console, tmp_path)
     ctx.close()
 
 
+def store_hold(page, held: bool, reason: str) -> None:
+    """Tick (or untick) both hold boxes on the nodes page and store the hold with ``reason``."""
+    for box in ("learning", "evaluation"):
+        page.set_checked(f"#hold input[name={box}]", held)
+    page.fill("#hold input[name=reason]", reason)
+    page.click("#save-hold")
+    page.wait_for_load_state()
+
+
 def test_admin_holds_learning_from_the_nodes_page_and_a_viewer_cannot(browser, console, tmp_path):
     st, _ = console
     ctx, page = login(browser, st, "viewer")
@@ -182,22 +191,14 @@ def test_admin_holds_learning_from_the_nodes_page_and_a_viewer_cannot(browser, c
     ctx.close()
     ctx, page = login(browser, st, "admin")
     page.goto(f"{st.cp.url}/console/nodes")
-    page.check("#hold input[name=learning]")
-    page.check("#hold input[name=evaluation]")
-    page.fill("#hold input[name=reason]", "load test (OPS-77)")
-    page.click("#save-hold")
-    page.wait_for_load_state()
+    store_hold(page, True, "load test (OPS-77)")
     assert "Learning hold stored" in page.locator(".notice").inner_text()
     text = page.locator("#hold").inner_text()
     assert "held: learning, evaluation" in text and "OPS-77" in text
     h = st.admin.get_hold()
     assert h.learning and h.evaluation and h.reason == "load test (OPS-77)"
     shoot(page, "hold", tmp_path)
-    page.uncheck("#hold input[name=learning]")
-    page.uncheck("#hold input[name=evaluation]")
-    page.fill("#hold input[name=reason]", "load test done")
-    page.click("#save-hold")
-    page.wait_for_load_state()
+    store_hold(page, False, "load test done")
     assert "nothing held" in page.locator("#hold").inner_text()
     assert not st.admin.get_hold().learning
     ctx.close()
