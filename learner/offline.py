@@ -312,6 +312,19 @@ def _continue_from(drafter, target, cfg: TrainConfig) -> None:
                              for k, v in src.state_dict().items()})
 
 
+def _bundle_version(cfg: TrainConfig) -> tuple[str, dict]:
+    """``starter-0`` for a fresh run; a run continued from ``starter-N`` makes ``starter-N+1``, with
+    the bundle it continued from as its parent."""
+    if not cfg.init_bundle:
+        return "starter-0", {"source": "offline"}
+    from dataplane.drafter_io import read_manifest
+
+    parent = read_manifest(Path(cfg.init_bundle)).version
+    head, _, n = parent.rpartition("-")
+    version = f"{head}-{int(n) + 1}" if head and n.isdigit() else f"{parent}-1"
+    return version, {"source": "offline", "parent_version": parent}
+
+
 def _vocab_index(drafter, vocab_size: int) -> torch.Tensor:
     """[vocab_size] int64: each target token's index in the draft vocabulary, -1 where absent."""
     index = torch.full((vocab_size,), -1, dtype=torch.int64)
@@ -468,7 +481,8 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     from dataplane.target_cache import target_identity as tid
 
     ident = target_identity or tid(target_dir)
-    save_bundle(drafter, bundle, ident, version="starter-0", lineage={"source": "offline"}, training=training)
+    version, lineage = _bundle_version(cfg)
+    save_bundle(drafter, bundle, ident, version=version, lineage=lineage, training=training)
     (out / "result.json").write_text(json.dumps(training, indent=1))
     log_f.close()
     return training

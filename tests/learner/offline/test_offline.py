@@ -153,7 +153,8 @@ def test_a_run_continues_from_a_bundle_and_refuses_another_shape(tiny_target, to
     # steps=0: the continued run's bundle is the source's weights and draft vocabulary, not a fresh start
     cont = O.TrainConfig(**{**cfg.__dict__, "steps": 0, "init_bundle": str(tmp_path / "first" / "bundle")})
     O.train(tiny_target, tok, tmp_path, root, tmp_path / "second", cont, progress=False, target_identity=ident)
-    got, _ = load_bundle(tmp_path / "second" / "bundle", tiny_target, ident)
+    got, man = load_bundle(tmp_path / "second" / "bundle", tiny_target, ident)
+    assert man.version == "starter-1" and man.lineage.parent_version == "starter-0"
     assert torch.equal(got.vocab_map, src.vocab_map)
     assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), src.state_dict().values(), strict=True))
     fresh = O.TrainConfig(**{**cfg.__dict__, "steps": 0})
