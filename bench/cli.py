@@ -1,4 +1,4 @@
-"""``adaflash bench throughput | adaptation | feedback | pii``: benchmarks that print JSON and draw PNGs."""
+"""``adaflash bench throughput | adaptation | drafters | feedback | pii``: benchmarks that print JSON and draw PNGs."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         from bench.adaptation_cli import register_bench as reg_adapt
 
         reg_adapt(bsub)
+    except ImportError:
+        pass
+    try:
+        from bench.drafters import register_bench as reg_drafters
+
+        reg_drafters(bsub)
     except ImportError:
         pass
     try:
