@@ -180,3 +180,15 @@ def test_cli_budget_in_hours_and_resume_needs_a_checkpoint(tmp_path, capsys):
     args = parser.parse_args(["train-offline", "--budget-hours", "1.5", "--init-bundle", "dataplane/starter"])
     cfg = training_config(args, load_config(home=tmp_path / "home"))
     assert cfg.time_budget_s == 5400.0 and cfg.init_bundle == "dataplane/starter"
+
+
+def test_offline_chat_data_stops_where_the_narrow_streams_start():
+    from promptsets.narrow import NARROW_DOMAINS, OFFLINE_CHAT_END
+
+    spec = D.StreamSpec("tf", "chat", 48, 512)
+    index = [int(it["id"].rsplit("/", 1)[-1]) for i in range(60) for it in D._items(spec, i)]
+    assert index and max(index) < OFFLINE_CHAT_END <= max(index) + 48
+    streamed = {r["id"] for nd in NARROW_DOMAINS.values() if nd.base == "chat" for r in nd.stream(50)}
+    offline = {it["id"] for i in range(60) for kind in ("tf", "regen")
+               for it in D._items(D.StreamSpec(kind, "chat", 48, 512), i)}
+    assert streamed and not streamed & offline
