@@ -2,7 +2,7 @@
 
 From the database: versions per lifecycle state (candidates waiting, failing gates,
 promoted), the age of the oldest candidate awaiting approval and of the newest version
-(how long since the learner last published), nodes per status. From Kafka: the
+(how long since the learner last published), nodes per status, the learning hold. From Kafka: the
 learner's consumer lag (end offset minus the learner group's committed offset, per
 partition of the feedback topic), read with a short timeout and cached, so a scrape
 never hangs on the broker; ``adaflash_learner_lag_up`` says whether the last read worked.
@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from adaflash.config import Settings
+from controlplane import hold
 from controlplane.db import utcnow
 from controlplane.fleet import is_stale
 from controlplane.models import Node, Version
@@ -123,7 +124,13 @@ class ControlPlaneCollector(Collector):
             by[key] = by.get(key, 0) + 1
         for status, count in sorted(by.items()):
             nodes.add_metric([status], count)
-        return [states, waiting, age, nodes]
+        held = GaugeMetricFamily("adaflash_controlplane_hold",
+                                 "1 while an admin holds learning or shadow evaluation (controlplane/hold.py)",
+                                 labels=["what"])
+        h = hold.current(session)
+        held.add_metric(["learning"], 1.0 if h.learning else 0.0)
+        held.add_metric(["evaluation"], 1.0 if h.evaluation else 0.0)
+        return [states, waiting, age, nodes, held]
 
     def collect(self):
         with self.sessions() as session:

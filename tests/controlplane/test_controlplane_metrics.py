@@ -43,6 +43,15 @@ def test_metrics_without_a_broker_report_lag_unknown(tmp_path):
     assert m[("adaflash_controlplane_awaiting_approval_oldest_seconds", ())] >= 0
     assert m[("adaflash_controlplane_newest_version_age_seconds", ())] >= 0
     assert m[("adaflash_learner_lag_up", ())] == 0  # unknown, never reported as zero lag
+    assert m[("adaflash_controlplane_hold", (("what", "learning"),))] == 0
+    from controlplane import hold
+
+    with session_scope(app.state.sessions) as s:
+        hold.put(s, learning=True, evaluation=False, reason="measuring", actor="test")
+    with TestClient(app) as client:
+        m = scrape(client)
+    assert m[("adaflash_controlplane_hold", (("what", "learning"),))] == 1
+    assert m[("adaflash_controlplane_hold", (("what", "evaluation"),))] == 0
     assert not [k for k in m if k[0] == "adaflash_learner_lag_records"]
 
 

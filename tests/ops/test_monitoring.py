@@ -88,6 +88,9 @@ class _EmptySession:
     def scalars(self, _):
         return []
 
+    def get(self, *_):
+        return None
+
 
 @pytest.fixture(scope="module")
 def exported():
@@ -199,6 +202,7 @@ def test_promtool_fires_each_alert_on_its_condition(rules_file, rule_groups, tmp
             _series("adaflash_feedback_dropped_total", {**pod, "tenant": "acme", "reason": "opt_out"}, "0+600x60"),
             _series("adaflash_learner_lag_records", {"partition": "0"}, "20000x60"),
             _series("adaflash_learner_lag_up", {}, "1x60"),
+            _series("adaflash_controlplane_hold", {"what": "learning"}, "0x60"),
         ], "alert_rule_test": [
             {"eval_time": "7h20m", "alertname": "AdaFlashAcceptanceRegression", "exp_alerts": []},
             {"eval_time": "7h59m", "alertname": "AdaFlashAcceptanceRegression",
@@ -209,6 +213,13 @@ def test_promtool_fires_each_alert_on_its_condition(rules_file, rule_groups, tmp
             {"eval_time": "30m", "alertname": "AdaFlashScrubDrops", "exp_alerts": fired("AdaFlashScrubDrops", "0.10")},
             {"eval_time": "30m", "alertname": "AdaFlashLearnerLag", "exp_alerts": fired("AdaFlashLearnerLag", "20k")},
             {"eval_time": "30m", "alertname": "AdaFlashLearnerLagUnknown", "exp_alerts": []},
+        ]}, {"interval": "1m", "input_series": [
+            # the same lag while an admin holds learning: expected, nobody is paged
+            _series("adaflash_learner_lag_records", {"partition": "0"}, "20000x60"),
+            _series("adaflash_learner_lag_up", {}, "1x60"),
+            _series("adaflash_controlplane_hold", {"what": "learning"}, "1x60"),
+        ], "alert_rule_test": [
+            {"eval_time": "30m", "alertname": "AdaFlashLearnerLag", "exp_alerts": []},
         ]}]}
     path = tmp_path / "rules-test.yaml"
     path.write_text(yaml.safe_dump(tests, sort_keys=False))
