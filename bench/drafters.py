@@ -9,8 +9,11 @@ concurrency 1, 8 and 32 (``bench.step_cost``) and the candidate's own drafter pa
 candidate's figures are its measured per-position acceptance and the speedup the cost
 model predicts from it, at the served precision:
 
-- ``tau`` per domain and pooled: greedy accepted length with full blocks (k = block size);
-- ``acceptance_by_position``: P(draft i accepted);
+per domain (one replay each):
+
+- ``full_block_tau``: greedy accepted length when every round drafts the full block
+  (1 + the sum of ``acceptance_by_position``, P(draft i accepted));
+- ``policy_tau``: accepted length of the rounds the node's policy would run;
 - ``predicted``: tokens/s of the policy's walk at concurrency 1, 8 and 32, against plain
   decoding priced by the same curve (``speedup_vs_ar``).
 
@@ -76,7 +79,6 @@ def heldout(domains: list[str], n: int, tok, max_prompt_tokens: int) -> list[dic
 
 
 def run(settings: Settings, bundles: list[str], domains: list[str], n: int, max_tokens: int, out: Path) -> dict:
-    from adaflash.contracts.evaluation import THROUGHPUT_CONCURRENCIES
     from bench.adaptation import answer, to_record
     from bench.machine import describe
     from controlplane.shadow.aggregate import ar_throughput, evaluate_drafters
@@ -104,23 +106,18 @@ def run(settings: Settings, bundles: list[str], domains: list[str], n: int, max_
         drafter = runner.place(drafter)
         own = CostModel.from_snapshot(cost.snapshot())  # the machine's verify curve, this drafter's own pass
         own.draft_per_request_s = drafter_pass_s(target, drafter, answered[0].prompt_ids)
-        rep = evaluate_drafters(target, tok, records, (man.version, drafter), None, target_id=identity["id"],
-                                policy=policy, max_tokens=settings.model.max_model_len, cost=own,
-                                cost_source="measured here").report
-        c = rep.candidate
-        predicted = {p.concurrency: p for p in c.throughput}
+        by_domain = {}
+        for dom in domains:  # one replay per domain: its acceptance per position and full-block tau
+            recs = [r for r in records if r.domain == dom]
+            rep = evaluate_drafters(target, tok, recs, (man.version, drafter), None, target_id=identity["id"],
+                                    policy=policy, max_tokens=settings.model.max_model_len, cost=own,
+                                    cost_source="measured here").report
+            by_domain[dom] = _metrics(rep.candidate, ar, len(recs))
         candidates[str(path)] = {
-            "version": man.version, "tau": round(c.tau, 4),
-            "tau_by_domain": {k: round(v.candidate_tau, 4) for k, v in rep.per_domain.items()},
-            "records_by_domain": {k: v.n_records for k, v in rep.per_domain.items()},
-            "acceptance_by_position": [round(x, 4) for x in c.acceptance_by_position],
-            "draft_ms": round(own.draft_per_request_s * 1e3, 3),
+            "version": man.version, "draft_ms": round(own.draft_per_request_s * 1e3, 3),
             "weights_mb": round(sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e6, 1),
-            "predicted": {str(k): {"tokens_per_s": round(predicted[k].tokens_per_s, 2),
-                                   "policy_tau": round(predicted[k].tau or 0.0, 4),
-                                   "speedup_vs_ar": round(predicted[k].tokens_per_s / ar[k], 4)}
-                          for k in THROUGHPUT_CONCURRENCIES},
-            "head_position_ece": [round(x, 4) for x in (c.calibration.position_ece if c.calibration else [])],
+            "full_block_tau": {d: m["full_block_tau"] for d, m in by_domain.items()},
+            "domains": by_domain,
         }
     result = {"machine": describe(serving_precision(settings)), "target": identity, "domains": domains,
               "prompts": len(prompts), "max_tokens": max_tokens, "records": len(records),
@@ -131,6 +128,22 @@ def run(settings: Settings, bundles: list[str], domains: list[str], n: int, max_
     return result
 
 
+def _metrics(c, ar: dict, n_records: int) -> dict:
+    """One domain's figures of a candidate (``DrafterMetrics`` of its replay)."""
+    from adaflash.contracts.evaluation import THROUGHPUT_CONCURRENCIES
+
+    predicted = {p.concurrency: p for p in c.throughput}
+    acc = [round(x, 4) for x in c.acceptance_by_position]
+    return {"records": n_records,
+            # greedy accepted length when every round drafts the full block: 1 + sum_i P(draft i accepted)
+            "full_block_tau": round(1.0 + sum(c.acceptance_by_position), 4),
+            "policy_tau": round(c.tau, 4), "acceptance_by_position": acc,
+            "predicted": {str(k): {"tokens_per_s": round(predicted[k].tokens_per_s, 2),
+                                   "speedup_vs_ar": round(predicted[k].tokens_per_s / ar[k], 4)}
+                          for k in THROUGHPUT_CONCURRENCIES},
+            "head_position_ece": [round(x, 4) for x in (c.calibration.position_ece if c.calibration else [])]}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -138,22 +151,21 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    cands = result["candidates"]
-    width = 0.8 / max(1, len(cands))
-    for i, (name, c) in enumerate(cands.items()):
-        label = f"{name} ({c['version']}, tau {c['tau']:.2f})"
-        a.plot(range(1, len(c["acceptance_by_position"]) + 1), c["acceptance_by_position"], marker="o", label=label)
-        cs = list(c["predicted"])
-        b.bar([j + i * width for j in range(len(cs))], [c["predicted"][k]["speedup_vs_ar"] for k in cs], width,
+    series = [(f"{name} {dom} (tau {m['full_block_tau']:.2f})", m) for name, c in result["candidates"].items()
+              for dom, m in c["domains"].items()]
+    width = 0.8 / max(1, len(series))
+    cs = list(series[0][1]["predicted"]) if series else []
+    for i, (label, m) in enumerate(series):
+        a.plot(range(1, len(m["acceptance_by_position"]) + 1), m["acceptance_by_position"], marker="o", label=label)
+        b.bar([j + i * width for j in range(len(cs))], [m["predicted"][k]["speedup_vs_ar"] for k in cs], width,
               label=label)
     a.set_title("P(draft i accepted), held-out greedy answers")
     a.set_xlabel("block position i")
-    a.legend()
-    cs = list(next(iter(cands.values()))["predicted"]) if cands else []
-    b.set_xticks([j + width * (len(cands) - 1) / 2 for j in range(len(cs))], [f"C={k}" for k in cs])
+    a.legend(fontsize=7)
+    b.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(cs))], [f"C={k}" for k in cs])
     b.axhline(1.0, color="grey", lw=0.8, ls="--")
     b.set_title("predicted speedup over ar (measured cost curve, node policy)")
-    b.legend()
+    b.legend(fontsize=7)
     m = result["machine"]
     fig.suptitle(f"{result['target']['id']} in {m['served_precision']}; {result['records']} held-out answers "
                  f"({', '.join(result['domains'])}), {result['max_tokens']} tokens")
@@ -186,6 +198,8 @@ def _cli(args, settings) -> int:
     if args.n < 1 or args.max_tokens < 1:
         raise CliError("--n and --max-tokens must be at least 1")
     res = run(settings, args.bundles, domains, args.n, args.max_tokens, Path(args.out))
-    print(json.dumps({k: {x: v[x] for x in ("version", "tau", "tau_by_domain", "draft_ms", "predicted")}
+    print(json.dumps({k: {"version": v["version"], "full_block_tau": v["full_block_tau"], "draft_ms": v["draft_ms"],
+                          "speedup_vs_ar": {d: {c: p["speedup_vs_ar"] for c, p in m["predicted"].items()}
+                                            for d, m in v["domains"].items()}}
                       for k, v in res["candidates"].items()}, indent=1))
     return 0

@@ -40,10 +40,14 @@ def test_bench_drafters_compares_bundles_by_acceptance_and_predicted_speedup(tmp
     res = run(settings, bundles, ["chat", "code"], 2, 8, tmp_path / "out")
     assert res["records"] == 4 and set(res["candidates"]) == set(bundles)
     for c in res["candidates"].values():
-        assert c["tau"] >= 1.0 and set(c["tau_by_domain"]) == {"chat", "code"}
-        assert len(c["acceptance_by_position"]) == 3 and all(0 <= p <= 1 for p in c["acceptance_by_position"])
-        assert set(c["predicted"]) == {"1", "8", "32"} and c["draft_ms"] > 0
-        assert all(p["tokens_per_s"] > 0 and p["speedup_vs_ar"] > 0 for p in c["predicted"].values())
+        assert set(c["domains"]) == {"chat", "code"} and c["draft_ms"] > 0
+        for m in c["domains"].values():
+            acc = m["acceptance_by_position"]
+            assert m["records"] == 2 and len(acc) == 3 and all(0 <= p <= 1 for p in acc)
+            assert abs(m["full_block_tau"] - (1 + sum(acc))) < 1e-3 and m["policy_tau"] >= 1.0
+            assert set(m["predicted"]) == {"1", "8", "32"}
+            assert all(p["tokens_per_s"] > 0 and p["speedup_vs_ar"] > 0 for p in m["predicted"].values())
+        assert c["full_block_tau"] == {d: m["full_block_tau"] for d, m in c["domains"].items()}
     assert {p["batch"] for p in res["cost_curve"]["points"]} == {1, 8, 32}
     assert (tmp_path / "out" / "plot.png").stat().st_size > 10_000
     # the greedy answers are cached: a second run answers nothing again
