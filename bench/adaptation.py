@@ -165,6 +165,8 @@ class StepCost:
 
 @torch.inference_mode()
 def measure_cost(target, drafter, prompt_ids: list[int], k: int, repeats: int = 5) -> StepCost:
+    from bench.step_cost import drafter_pass_s
+
     ctx = torch.tensor(prompt_ids, dtype=torch.int64)
     kv = target.new_cache(len(prompt_ids) + k + 1)
     target.forward_packed(ctx, [0, len(prompt_ids)], [kv])
@@ -178,19 +180,7 @@ def measure_cost(target, drafter, prompt_ids: list[int], k: int, repeats: int = 
             target.forward_packed(ctx[-m:], [0, m], [kv])
             ts.append(time.perf_counter() - t0)
         times.append(statistics.median(ts))
-    hid = target.forward_packed(ctx, [0, len(prompt_ids)], [target.new_cache(len(prompt_ids))],
-                                logits_index=torch.empty(0, dtype=torch.int64),
-                                hidden_layers=tuple(drafter.config.target_layers)).hidden
-    dkv = drafter.new_cache(len(prompt_ids) + k)
-    drafter.extend_context(hid, [0, len(prompt_ids)], [dkv])
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        h = drafter.forward_block(ctx[-1:], [dkv])
-        drafter.length_head(h)
-        drafter.logits(h[:, 1:])
-        ts.append(time.perf_counter() - t0)
-    return StepCost(times, statistics.median(ts))
+    return StepCost(times, drafter_pass_s(target, drafter, prompt_ids, repeats + 1))
 
 
 @torch.no_grad()

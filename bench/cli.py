@@ -43,12 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         reg_adapt(bsub)
     except ImportError:
         pass
-    try:
-        from bench.drafters import register_bench as reg_drafters
+    from bench.drafters import register_bench as reg_drafters
 
-        reg_drafters(bsub)
-    except ImportError:
-        pass
+    reg_drafters(bsub)
     try:
         from bench.feedback import register_bench as reg_feedback
 

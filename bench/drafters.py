@@ -23,11 +23,8 @@ Writes result.json and plot.png (acceptance by position, predicted speedup).
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import promptsets as ds
@@ -48,39 +45,16 @@ def measured_cost(target, concurrency=(1, 8, 32), lengths=VERIFY_LENGTHS, repeat
     return cost
 
 
-@torch.inference_mode()
-def drafter_pass_s(target, drafter, prompt_ids: list[int], repeats: int = 7) -> float:
-    """Median seconds of one drafter pass (block, length head, draft logits) for one request."""
-    hid = target.forward_packed(torch.tensor(prompt_ids), [0, len(prompt_ids)], [target.new_cache(len(prompt_ids))],
-                                logits_index=torch.empty(0, dtype=torch.int64),
-                                hidden_layers=tuple(drafter.config.target_layers)).hidden
-    kv = drafter.new_cache(len(prompt_ids) + drafter.config.block_size)
-    drafter.extend_context(hid, [0, len(prompt_ids)], [kv])
-    last = torch.tensor(prompt_ids[-1:])
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        h = drafter.forward_block(last, [kv])
-        drafter.length_head(h)
-        drafter.logits(h[:, 1:])
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[1:])
-
-
 def heldout(domains: list[str], n: int, tok, max_prompt_tokens: int) -> list[dict]:
-    from learner.data import chat_prefix
+    from learner.offline_eval import heldout_encoded
 
-    out = []
-    for dom in domains:
-        rows = [p for p in ds.heldout_prompts(dom, None if dom == "chat" else n * 4)
-                if len(tok.encode(chat_prefix(tok, p["prompt"]))) <= max_prompt_tokens]
-        out += rows[:n]
-    return out
+    return [p for dom in domains for p, _ in heldout_encoded(tok, dom, n, max_prompt_tokens)]
 
 
 def run(settings: Settings, bundles: list[str], domains: list[str], n: int, max_tokens: int, out: Path) -> dict:
     from bench.adaptation import answer, to_record
     from bench.machine import describe
+    from bench.step_cost import drafter_pass_s
     from controlplane.shadow.aggregate import ar_throughput, evaluate_drafters
     from dataplane.cost_model import CostModel
     from dataplane.drafter_io import load_bundle

@@ -9,6 +9,7 @@ machine hits every point alike, and each point keeps its fastest repeat.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -22,6 +23,26 @@ def _setup(target, requests: int, n: int, context: int, g: torch.Generator):
                               logits_index=torch.empty(0, dtype=torch.int64))
         kvs.append(kv)
     return kvs, torch.randint(3, 1000, (n * requests,), generator=g), [i * n for i in range(requests + 1)]
+
+
+@torch.inference_mode()
+def drafter_pass_s(target, drafter, prompt_ids: list[int], repeats: int = 7) -> float:
+    """Median seconds of one drafter pass (block, length head, draft logits) for one request
+    whose context is ``prompt_ids`` (the first pass is a warm-up and not counted)."""
+    ids = torch.tensor(prompt_ids, dtype=torch.int64)
+    hid = target.forward_packed(ids, [0, len(prompt_ids)], [target.new_cache(len(prompt_ids))],
+                                logits_index=torch.empty(0, dtype=torch.int64),
+                                hidden_layers=tuple(drafter.config.target_layers)).hidden
+    kv = drafter.new_cache(len(prompt_ids) + drafter.config.block_size)
+    drafter.extend_context(hid, [0, len(prompt_ids)], [kv])
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        h = drafter.forward_block(ids[-1:], [kv])
+        drafter.length_head(h)
+        drafter.logits(h[:, 1:])
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[1:])
 
 
 def _time_points(target, setups: dict, context: int, repeats: int) -> dict:

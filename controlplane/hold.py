@@ -51,14 +51,9 @@ def put(session: Session, *, learning: bool, evaluation: bool, reason: str, acto
     return row
 
 
-def seen(session: Session, learner_id: str) -> Hold:
-    """A learner read the hold (between two of its steps): remember when, return the hold."""
-    row = session.get(HoldSeen, learner_id)
-    if row is None:
-        session.add(HoldSeen(learner_id=learner_id, seen_at=utcnow()))
-    else:
-        row.seen_at = utcnow()
-    return current(session)
+def seen(session: Session, learner_id: str) -> None:
+    """A learner read the hold (between two of its steps): remember when."""
+    session.merge(HoldSeen(learner_id=learner_id, seen_at=utcnow()))
 
 
 def describe(session: Session) -> HoldOut:

@@ -157,7 +157,7 @@ def generate(target, tok, prompts: list[str], max_new_tokens: int, max_running: 
 def _items(spec: StreamSpec, i: int) -> list[dict]:
     """Shard ``i``'s training items; chat stops at ``OFFLINE_CHAT_END`` (the narrow domains' streams
     start there, promptsets/narrow.py)."""
-    from promptsets.narrow import OFFLINE_CHAT_END
+    from promptsets.narrow import OFFLINE_CHAT_END, file_index
 
     off = i * spec.shard_size
     if spec.kind == "tf":
@@ -165,7 +165,7 @@ def _items(spec: StreamSpec, i: int) -> list[dict]:
     else:
         items = ds.train_prompts(spec.domain, spec.shard_size, offset=off)
     if spec.domain == "chat":
-        items = [it for it in items if int(it["id"].rsplit("/", 1)[-1]) < OFFLINE_CHAT_END]
+        items = [it for it in items if file_index(it) < OFFLINE_CHAT_END]
     return items
 
 

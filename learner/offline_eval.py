@@ -29,24 +29,32 @@ def _engine(target, drafter, mode: str, tok, max_running: int):
                   eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
 
 
+def heldout_encoded(tok, domain: str, n: int, max_prompt_tokens: int) -> list[tuple[dict, list[int]]]:
+    """The first ``n`` held-out prompts of ``domain`` whose templated ids fit ``max_prompt_tokens``,
+    with those ids."""
+    from learner.data import chat_prefix
+
+    out = []
+    for p in ds.heldout_prompts(domain, None if domain == "chat" else n * 4):
+        ids = tok.encode(chat_prefix(tok, p["prompt"]))
+        if len(ids) <= max_prompt_tokens:
+            out.append((p, ids))
+        if len(out) >= n:
+            break
+    return out
+
+
 @torch.inference_mode()
 def evaluate(target, tok, drafter, n: int = 8, max_tokens: int = 128, domains=DOMAINS, max_running: int = 8,
              max_prompt_tokens: int = 512, check_ar: bool = False) -> dict:
     """Returns {'domains': {d: {tau, rounds, tokens, per_prompt, acc1}}, 'mean_tau', 'seconds'}."""
     from dataplane.sequence import SamplingParams, Sequence
-    from learner.data import chat_prefix
 
     t0 = time.time()
     out: dict = {"domains": {}, "k": drafter.config.block_size, "mode": "fixed", "temperature": 0.0,
                  "n_per_domain": n, "max_tokens": max_tokens}
     for dom in domains:
-        prompts = []
-        for p in ds.heldout_prompts(dom, None if dom == "chat" else n * 4):
-            ids = tok.encode(chat_prefix(tok, p["prompt"]))
-            if len(ids) <= max_prompt_tokens:
-                prompts.append((p["id"], ids))
-            if len(prompts) >= n:
-                break
+        prompts = [(p["id"], ids) for p, ids in heldout_encoded(tok, dom, n, max_prompt_tokens)]
         eng = _engine(target, drafter, "fixed", tok, max_running)
         seqs = [Sequence(pid, ids, params=SamplingParams(max_tokens=max_tokens)) for pid, ids in prompts]
         for s in seqs:

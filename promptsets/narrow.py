@@ -45,7 +45,8 @@ def _math_stream(n: int) -> list[dict]:
     return ds.train_prompts("math", n, offset=500_000)
 
 
-def _index(row: dict) -> int:
+def file_index(row: dict) -> int:
+    """A ShareGPT row's index in the file (its id is ``<source>/<index>``)."""
     return int(row["id"].rsplit("/", 1)[-1])
 
 
@@ -55,7 +56,7 @@ def _topic_chat(words: re.Pattern, heldout: bool, n: int, exclude: re.Pattern | 
     rows = ds.heldout_prompts("chat") if heldout else ds.train_prompts("chat")
     hits = [r for r in rows if len(r["prompt"]) < MAX_PROMPT_CHARS and words.search(r["prompt"].lower())
             and not (exclude and exclude.search(r["prompt"].lower()))
-            and (heldout or _index(r) >= OFFLINE_CHAT_END)]
+            and (heldout or file_index(r) >= OFFLINE_CHAT_END)]
     return hits[:n]
 
 

@@ -30,3 +30,14 @@ def save_tiny(directory: Path, model_type: str = "llama", vocab: int = 97, hidde
     model.save_pretrained(directory, safe_serialization=True)
     (Path(directory) / "target.json").write_text(json.dumps({"id": f"tiny-{model_type}", "sha256": "0" * 64}))
     return Path(directory)
+
+
+def save_tiny_servable(directory: Path, real_target_dir: Path) -> Path:
+    """A tiny llama with the real target's vocabulary size, tokenizer files and chat template, and a
+    target identity: what a node or a benchmark loads as its target."""
+    d = save_tiny(directory, vocab=49152, hidden=32, layers=2, heads=2, kv_heads=1)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_target_dir / f).exists():
+            (d / f).write_bytes((real_target_dir / f).read_bytes())
+    (d / "target.json").write_text(json.dumps({"id": "tiny", "sha256": "0" * 64}))
+    return d

@@ -3,18 +3,12 @@ code on held-out answers, priced by a verify curve measured here."""
 
 from __future__ import annotations
 
-import json
-
 from adaflash.config import load_config
-from tests.tiny_models import save_tiny
+from tests.tiny_models import save_tiny_servable
 
 
 def _tiny(tmp_path, real_target_dir):
-    d = save_tiny(tmp_path / "tiny", vocab=49152, hidden=32, layers=2, heads=2, kv_heads=1)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (real_target_dir / f).exists():
-            (d / f).write_bytes((real_target_dir / f).read_bytes())
-    (d / "target.json").write_text(json.dumps({"id": "tiny", "sha256": "0" * 64}))
+    d = save_tiny_servable(tmp_path / "tiny", real_target_dir)
     settings = load_config(home=tmp_path / "home", cache=tmp_path / "cache")
     settings.model.path = str(d)
     settings.model.max_model_len = 512

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 from adaflash.config import load_config
-from tests.tiny_models import save_tiny
+from tests.tiny_models import save_tiny_servable
 
 
 def test_bench_throughput_reports_machine_bound_and_verify_curve(tmp_path, real_target_dir):
     from bench.throughput import run
 
-    d = save_tiny(tmp_path / "tiny", vocab=49152, hidden=32, layers=2, heads=2, kv_heads=1)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (real_target_dir / f).exists():
-            (d / f).write_bytes((real_target_dir / f).read_bytes())
-    (d / "target.json").write_text(json.dumps({"id": "tiny", "sha256": "0" * 64}))
+    d = save_tiny_servable(tmp_path / "tiny", real_target_dir)
     settings = load_config(home=tmp_path / "home")
     settings.model.path = str(d)
     settings.model.max_model_len = 512
