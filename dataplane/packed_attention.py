@@ -60,16 +60,23 @@ class StreamPlan:
         few = []
         for b, (s, e, start) in enumerate(bounds):
             (few if e - s <= SMALL_QUERIES else self.singles).append((b, s, e, start))
-        self.groups: list[_Group] = []
-        for idx in _chunks([st + e - s for _, s, e, st in few], 0):
-            c = [few[i] for i in idx]
-            if len(c) == 1:
-                self.singles.append(c[0])
-            else:
-                self.groups.append(self._group(c, dtype, device))
+        self.bounds = bounds
+        self._batch: cpu_attention.BatchArgs | bool | None = None  # decided at the first layer
+        chunks = [[few[i] for i in idx] for idx in _chunks([st + e - s for _, s, e, st in few], 0)]
+        self.singles += [c[0] for c in chunks if len(c) == 1]
+        self._chunks = [c for c in chunks if len(c) > 1]
+        self._groups: list[_Group] | None = None
+        self._dtype, self._device = dtype, device
         # a lone request of a few tokens (a verify at C=1): its mask once, not once per layer
         self.single_masks = {b: offset_mask(e - s, st + e - s, self.g, kv_heads, dtype, device)
                              for b, s, e, st in self.singles if 1 < e - s <= SMALL_QUERIES}
+
+    @property
+    def groups(self) -> list[_Group]:
+        """The padded groups, laid out on first use (a stream the batched kernel takes needs none)."""
+        if self._groups is None:
+            self._groups = [self._group(c, self._dtype, self._device) for c in self._chunks]
+        return self._groups
 
     def _group(self, members, dtype, device) -> _Group:
         G = len(members)
@@ -102,7 +109,9 @@ class StreamPlan:
         T, d = q.shape[0], self.head_dim
         kvh, g = self.kv_heads, self.g
         dtype = q.dtype
-        if self.fast and not self.groups and self._kernel_takes(layer, q, k, v, kvs):
+        if self.fast and self._chunks and self._batch_takes(q, k, v, kvs):
+            return cpu_attention.attend_batch(q, k, v, self._batch, layer)
+        if self.fast and not self._chunks and self._kernel_takes(layer, q, k, v, kvs):
             out = q.new_empty(T, self.heads * d)
             for b, s, e, start in self.singles:
                 cpu_attention.attend_cached(q[s:e], k[s:e], v[s:e], kvs[b].data[layer], start, out=out[s:e])
@@ -134,6 +143,15 @@ class StreamPlan:
             og = torch.bmm(probs, vals).view(G, kvh, grp.n_max, g, d).transpose(1, 2).reshape(G * grp.n_max, -1)
             out.index_copy_(0, grp.stream_rows, og.index_select(0, grp.slot_rows))
         return out.to(dtype)
+
+    def _batch_takes(self, q, k, v, kvs) -> bool:
+        """Many requests of a few tokens each (decode or verify at C > 1): every layer's
+        attention is one call of the batched kernel, with no padded copy of the caches."""
+        if self._batch is None:
+            data = [kv.data for kv in kvs]
+            self._batch = (cpu_attention.BatchArgs(data, self.bounds)
+                           if cpu_attention.takes_batch(q, k, v, data, self.bounds) else False)
+        return self._batch is not False
 
     def _kernel_takes(self, layer, q, k, v, kvs) -> bool:
         if self._kernel is None:

@@ -111,6 +111,62 @@ static void weighted_values(const float *P, int64_t ldp, int R, const float *V, 
     }
 }
 
+/* Stores the n new keys and values of one request (rows of k_new, v_new, token strides
+ * ldk, ldv) at positions start .. start+n-1 of its float32 cache [2, kvh, cap, d]. */
+static void store_new(const void *k_new, int64_t ldk, const void *v_new, int64_t ldv, int64_t n, int64_t kvh,
+                      int64_t d, float *cache, int64_t cap, int64_t start, int is_bf16) {
+    float *keys = cache, *vals = cache + kvh * cap * d;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < kvh; h++) {
+            float *kd = keys + (h * cap + start + i) * d, *vd = vals + (h * cap + start + i) * d;
+            for (int64_t t = 0; t < d; t++) {
+                kd[t] = load(k_new, i * ldk + h * d + t, is_bf16);
+                vd[t] = load(v_new, i * ldv + h * d + t, is_bf16);
+            }
+        }
+}
+
+/* One (kv head h, query i) item of one request: the g query heads of token i (row i of q,
+ * token stride ldq) against the L keys they see, softmax, weighted values, written to row
+ * i of out (token stride ldo). sc: scratch of g * stride floats, stride >= L. */
+static void attend_item(const void *q, int64_t ldq, int64_t h, int64_t i, int64_t L, int64_t g, int64_t d,
+                        const float *cache, int64_t cap, int64_t kvh, float scale, int is_bf16, float *sc,
+                        int64_t stride, void *out, int64_t ldo) {
+    const float *K = cache + h * cap * d, *V = cache + (kvh + h) * cap * d;
+    float qv[MAX_HEAD_DIM], acc[3 * MAX_HEAD_DIM];
+    for (int64_t r = 0; r < g; r++) {
+        for (int64_t t = 0; t < d; t++)
+            qv[t] = load(q, i * ldq + (h * g + r) * d + t, is_bf16);
+        scores8(qv, K, L, d, scale, sc + r * stride);
+    }
+    for (int64_t r = 0; r < g; r++) { /* softmax of each row, in place */
+        float *s = sc + r * stride, m = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 1; j < L; j++)
+            m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < L; j++) {
+            s[j] = exp_nonpos(s[j] - m);
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < L; j++)
+            s[j] *= inv;
+    }
+    for (int64_t r0 = 0; r0 < g; r0 += 3) {
+        const int R = g - r0 < 3 ? (int)(g - r0) : 3;
+        weighted_values(sc + r0 * stride, stride, R, V, L, d, acc);
+        for (int r = 0; r < R; r++) {
+            const int64_t o = i * ldo + (h * g + r0 + r) * d;
+            if (is_bf16)
+                for (int64_t t = 0; t < d; t++)
+                    ((uint16_t *)out)[o + t] = bf16(acc[r * d + t]);
+            else
+                memcpy((float *)out + o, acc + r * d, sizeof(float) * (size_t)d);
+        }
+    }
+}
+
 /* q [n, heads, d] (token stride ldq), k_new, v_new [n, kvh, d] (token strides ldk, ldv), in
  * bfloat16 (is_bf16) or float32; cache: this layer's [2, kvh, cap, d] float32, holding
  * ``start`` positions. Stores the new keys and values at start .. start+n-1, then
@@ -124,15 +180,7 @@ int adaflash_attend_cached(const void *q, int64_t ldq, const void *k_new, int64_
     const int64_t g = heads / kvh;
     if (d > MAX_HEAD_DIM || d % 8 || g > MAX_GROUP || g * kvh != heads || start + n > cap)
         return -1;
-    float *keys = cache, *vals = cache + kvh * cap * d;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t h = 0; h < kvh; h++) {
-            float *kd = keys + (h * cap + start + i) * d, *vd = vals + (h * cap + start + i) * d;
-            for (int64_t t = 0; t < d; t++) {
-                kd[t] = load(k_new, i * ldk + h * d + t, is_bf16);
-                vd[t] = load(v_new, i * ldv + h * d + t, is_bf16);
-            }
-        }
+    store_new(k_new, ldk, v_new, ldv, n, kvh, d, cache, cap, start, is_bf16);
     const int64_t items = kvh * n, total = start + n;
     int failed = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (items >= 8)
@@ -147,40 +195,60 @@ int adaflash_attend_cached(const void *q, int64_t ldq, const void *k_new, int64_
             if (sc == NULL)
                 continue;
             const int64_t h = it % kvh, i = it / kvh;
-            const int64_t L = causal ? start + i + 1 : total;
-            const float *K = keys + h * cap * d, *V = vals + h * cap * d;
-            float qv[MAX_HEAD_DIM], acc[3 * MAX_HEAD_DIM];
-            for (int64_t r = 0; r < g; r++) {
-                for (int64_t t = 0; t < d; t++)
-                    qv[t] = load(q, i * ldq + (h * g + r) * d + t, is_bf16);
-                scores8(qv, K, L, d, scale, sc + r * total);
-            }
-            for (int64_t r = 0; r < g; r++) { /* softmax of each row, in place */
-                float *s = sc + r * total, m = s[0], sum = 0.0f;
-#pragma omp simd reduction(max : m)
-                for (int64_t j = 1; j < L; j++)
-                    m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < L; j++) {
-                    s[j] = exp_nonpos(s[j] - m);
-                    sum += s[j];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t j = 0; j < L; j++)
-                    s[j] *= inv;
-            }
-            for (int64_t r0 = 0; r0 < g; r0 += 3) {
-                const int R = g - r0 < 3 ? (int)(g - r0) : 3;
-                weighted_values(sc + r0 * total, total, R, V, L, d, acc);
-                for (int r = 0; r < R; r++) {
-                    const int64_t o = i * ldo + (h * g + r0 + r) * d;
-                    if (is_bf16)
-                        for (int64_t t = 0; t < d; t++)
-                            ((uint16_t *)out)[o + t] = bf16(acc[r * d + t]);
-                    else
-                        memcpy((float *)out + o, acc + r * d, sizeof(float) * (size_t)d);
-                }
-            }
+            attend_item(q, ldq, h, i, causal ? start + i + 1 : total, g, d, cache, cap, kvh, scale, is_bf16, sc,
+                        total, out, ldo);
+        }
+        free(sc);
+    }
+    return failed ? -2 : 0;
+}
+
+/* A packed stream of B requests in one call: request b's n[b] tokens are rows row0[b] ..
+ * row0[b]+n[b]-1 of q, k_new, v_new and out (strides as above); its cache is the float32
+ * block at caches[b] + layer * layer_stride[b] ([2, kvh, cap[b], d], ``start[b]``
+ * positions). Causal. Every request's new keys and values are stored first; then each
+ * (request, kv head, query) item is computed exactly as ``adaflash_attend_cached`` computes
+ * it, so a request's rows do not depend on what else is in the batch. */
+int adaflash_attend_cached_batch(const void *q, int64_t ldq, const void *k_new, int64_t ldk, const void *v_new,
+                                 int64_t ldv, int64_t B, const int64_t *row0, const int64_t *n,
+                                 float *const *caches, const int64_t *layer_stride, const int64_t *cap,
+                                 const int64_t *start, int64_t layer, int64_t heads, int64_t kvh, int64_t d,
+                                 void *out, int64_t ldo, int is_bf16, float scale, int threads) {
+    const int64_t g = heads / kvh;
+    if (d > MAX_HEAD_DIM || d % 8 || g > MAX_GROUP || g * kvh != heads)
+        return -1;
+    const size_t es = is_bf16 ? 2 : 4;
+    int64_t items = 0, longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (start[b] + n[b] > cap[b] || n[b] < 1)
+            return -1;
+        float *cache = caches[b] + layer * layer_stride[b];
+        store_new((const char *)k_new + row0[b] * ldk * es, ldk, (const char *)v_new + row0[b] * ldv * es, ldv,
+                  n[b], kvh, d, cache, cap[b], start[b], is_bf16);
+        items += kvh * n[b];
+        longest = start[b] + n[b] > longest ? start[b] + n[b] : longest;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (items >= 8)
+    {
+        float *sc = malloc(sizeof(float) * (size_t)(g * longest));
+        if (sc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t b = 0, first = 0; /* the request holding this thread's current item, and its first item */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (sc == NULL)
+                continue;
+            if (it < first) /* a static schedule hands out ascending items; restart only if not */
+                b = 0, first = 0;
+            while (it >= first + kvh * n[b])
+                first += kvh * n[b++];
+            const int64_t local = it - first, h = local % kvh, i = local / kvh, total = start[b] + n[b];
+            attend_item((const char *)q + row0[b] * ldq * es, ldq, h, i, start[b] + i + 1, g, d,
+                        caches[b] + layer * layer_stride[b], cap[b], kvh, scale, is_bf16, sc, total,
+                        (char *)out + row0[b] * ldo * es, ldo);
         }
         free(sc);
     }

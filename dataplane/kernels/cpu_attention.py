@@ -71,6 +71,9 @@ def _lib():
     lib.adaflash_attend_cached.argtypes = [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _I, _C, _P, _I, _C, _F,
                                                _C]
     lib.adaflash_attend_cached.restype = _C
+    lib.adaflash_attend_cached_batch.argtypes = [_P, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I,
+                                                 _P, _I, _C, _F, _C]
+    lib.adaflash_attend_cached_batch.restype = _C
     return lib
 
 
@@ -101,6 +104,61 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torc
     return out
 
 
+def attend_batch_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[torch.Tensor],
+                       bounds: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Reference of a packed stream. q [T, heads, d]; k, v [T, kv_heads, d]; request b owns
+    rows s..e-1 of ``bounds[b] = (s, e, start)`` and its layer's cache ``caches[b]``
+    [2, kv_heads, cap, d] float32: each request as ``attend_cached_torch`` (causal) ->
+    [T, heads * d]."""
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for cache, (s, e, start) in zip(caches, bounds, strict=True):
+        out[s:e] = attend_cached_torch(q[s:e], k[s:e], v[s:e], cache, start)
+    return out
+
+
+class BatchArgs:
+    """What ``attend_batch`` passes for one packed forward, built once and used by every
+    layer: each request's first row, token count, cache base, layer stride, capacity and
+    start. ``data`` [n_layers, 2, kv_heads, cap, d] float32 per request (``SeqKV.data``)."""
+
+    def __init__(self, data: list[torch.Tensor], bounds: list[tuple[int, int, int]]):
+        B = len(bounds)
+        self.B = B
+        self.data = data  # keeps the caches alive while their addresses are in use
+        self.row0 = (ctypes.c_int64 * B)(*(s for s, _, _ in bounds))
+        self.n = (ctypes.c_int64 * B)(*(e - s for s, e, _ in bounds))
+        self.start = (ctypes.c_int64 * B)(*(st for _, _, st in bounds))
+        self.caches = (ctypes.c_void_p * B)(*(t.data_ptr() for t in data))
+        self.layer_stride = (ctypes.c_int64 * B)(*(t.stride(0) for t in data))
+        self.cap = (ctypes.c_int64 * B)(*(t.shape[3] for t in data))
+
+
+def takes_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, data: list[torch.Tensor],
+                bounds: list[tuple[int, int, int]]) -> bool:
+    """``attend_batch`` serves this stream here: every request's tokens within ``MAX_QUERIES``
+    and every cache a contiguous float32 ``SeqKV.data``."""
+    return (all(0 < e - s <= MAX_QUERIES for s, e, _ in bounds)
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 5 for t in data)
+            and takes(q[:1], k[:1], v[:1], data[0][0]))
+
+
+def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BatchArgs, layer: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """As ``attend_batch_torch`` for layer ``layer`` of every request's cache, in one call;
+    each request's rows are computed exactly as ``attend_cached`` computes them alone.
+    Check ``takes_batch`` first."""
+    T, heads, d = q.shape
+    if out is None:
+        out = torch.empty(T, heads * d, dtype=q.dtype)
+    rc = _lib().adaflash_attend_cached_batch(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), args.B, args.row0, args.n,
+        args.caches, args.layer_stride, args.cap, args.start, layer, heads, k.shape[1], d, out.data_ptr(),
+        out.stride(0), int(q.dtype == torch.bfloat16), d**-0.5, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"attention kernel refused its arguments ({rc})")
+    return out
+
+
 @functools.cache
 def available() -> bool:
     """The library loads here and agrees with the reference: float32 to 1e-5, bfloat16
@@ -119,6 +177,15 @@ def available() -> bool:
             got = attend_cached(q, k, v, c2, start)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             ok &= torch.allclose(got.float(), want.float(), atol=tol, rtol=tol) and torch.equal(c1, c2)
+        # a packed stream of three requests: each row as the lone-request call gives it
+        bounds = [(0, 1, 7), (1, 6, 11), (6, 9, 0)]
+        q = torch.randn(9, 6, 16, generator=g).to(dtype)
+        k, v = (torch.randn(9, 2, 16, generator=g).to(dtype) for _ in range(2))
+        data = [torch.randn(3, 2, 2, 24, 16, generator=g) for _ in bounds]
+        alone = [t.clone() for t in data]
+        got = attend_batch(q, k, v, BatchArgs(data, bounds), 1)
+        want = torch.cat([attend_cached(q[s:e], k[s:e], v[s:e], t[1], st) for t, (s, e, st) in zip(alone, bounds)])
+        ok &= torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(data, alone, strict=True))
     if not ok:
         log.warning("attention kernel disagrees with its reference; not used")
     return bool(ok)

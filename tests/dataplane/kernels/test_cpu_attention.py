@@ -96,3 +96,87 @@ def test_the_serving_forward_matches_the_reference_forward(tiny_dir, dtype, monk
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
     layers = fused.args.num_layers
     assert calls == [23] * layers + [1] * layers + [9] * layers  # every layer of every step in the kernel
+
+
+def _stream(bounds, heads, kvh, d, dtype, seed, layers=3):
+    g = torch.Generator().manual_seed(seed)
+    T = bounds[-1][1]
+    q = (torch.randn(T, heads, d, generator=g) * 2).to(dtype)
+    qkv = torch.randn(T, heads + 2 * kvh, d, generator=g).to(dtype)
+    k, v = qkv[:, heads : heads + kvh], qkv[:, heads + kvh :]
+    # SeqKV.data of each request: [layers, 2, kv_heads, cap, d], capacities differ
+    data = [torch.randn(layers, 2, kvh, st + (e - s) + 3 * b, d, generator=g) for b, (s, e, st) in enumerate(bounds)]
+    return q, k, v, data
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bounds", [
+    [(0, 1, 40), (1, 2, 7), (2, 3, 130), (3, 4, 0)],  # a decode step of four requests
+    [(0, 16, 128), (16, 20, 3), (20, 21, 60), (21, 37, 0)],  # verify blocks of mixed lengths
+    [(0, 64, 300), (64, 65, 1)],
+])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (8, 2, 128), (6, 1, 16)])
+def test_a_packed_stream_equals_the_reference_and_each_request_alone(dtype, bounds, heads, kvh, d):
+    """One call for the whole stream: within the reference's tolerance, bitwise what each
+    request's lone call gives (a request's rows do not depend on its batch), every request's
+    new keys and values stored in its own cache at the layer asked, nothing else touched."""
+    q, k, v, data = _stream(bounds, heads, kvh, d, dtype, seed=len(bounds) * 100 + d)
+    layer = 1
+    ref_data, alone_data = [t.clone() for t in data], [t.clone() for t in data]
+    want = ca.attend_batch_torch(q, k, v, [t[layer] for t in ref_data], bounds)
+    assert ca.takes_batch(q, k, v, data, bounds)
+    got = ca.attend_batch(q, k, v, ca.BatchArgs(data, bounds), layer)
+    alone = torch.cat([ca.attend_cached(q[s:e], k[s:e], v[s:e], t[layer], st)
+                       for t, (s, e, st) in zip(alone_data, bounds, strict=True)])
+    assert got.dtype == dtype and got.shape == (q.shape[0], heads * d)
+    assert torch.equal(got, alone)
+    assert all(torch.equal(a, b) for a, b in zip(data, ref_data, strict=True))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=8e-3)
+
+
+def test_streams_the_batched_kernel_does_not_take():
+    bounds = [(0, 1, 4), (1, 66, 0)]  # a prompt of 65 tokens beside a decode
+    q, k, v, data = _stream(bounds, 9, 3, 64, torch.float32, seed=5)
+    assert not ca.takes_batch(q, k, v, data, bounds)
+    short = [(0, 1, 4), (1, 2, 0)]
+    q, k, v, data = _stream(short, 9, 3, 64, torch.float32, seed=6)
+    assert ca.takes_batch(q, k, v, data, short) == HAS_AVX2
+    assert not ca.takes_batch(q, k, v, [data[0], data[1].double()], short)  # a cache that is not float32
+    assert not ca.takes_batch(q, k, v, [data[0], data[1].transpose(3, 4).contiguous().transpose(3, 4)],
+                              short)  # not contiguous
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_through_the_serving_forward_matches_the_reference_forward(tiny_dir, dtype, monkeypatch):
+    """Three requests decoded and verified together through the fused forward (one batched
+    kernel call a layer) give the reference forward's logits."""
+    from dataplane.runner import ModelRunner
+
+    fused = ModelRunner.reference(dtype).load_target(tiny_dir)
+    ref = ModelRunner.reference(dtype).load_target(tiny_dir)
+    ref.reference = True
+    calls = []
+    kernel = ca.attend_batch
+    monkeypatch.setattr(ca, "attend_batch", lambda *a, **kw: calls.append(a[3].B) or kernel(*a, **kw))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 90, (n,), generator=g) for n in (11, 30, 5)]
+    caches = {name: [m.new_cache(96) for _ in prompts] for name, m in (("f", fused), ("r", ref))}
+    for b, p in enumerate(prompts):  # prompts one at a time, as the engine prefills
+        for name, m in (("f", fused), ("r", ref)):
+            m.forward_packed(p, [0, len(p)], [caches[name][b]])
+    for lengths in ((1, 1, 1), (4, 16, 1), (1, 9, 3)):
+        ids = [torch.randint(3, 90, (n,), generator=g) for n in lengths]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        stream = torch.cat(ids)
+        a = fused.forward_packed(stream, cu, caches["f"]).logits
+        b = ref.forward_packed(stream, cu, caches["r"]).logits
+        tol = 1e-4 if dtype == torch.float32 else 6e-2
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    assert calls == [3] * (3 * fused.args.num_layers)
