@@ -10,6 +10,7 @@ model.safetensors) with the same parameter names.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +232,18 @@ class TargetModel(nn.Module):
         a = self.args
         p = self.lm_head.weight
         return SeqKV(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, p.device, capacity)
+
+    def warm_up(self) -> float:
+        """A prompt, a decode of two requests and a verify through the serving forward, on
+        scratch caches: its kernels are built or loaded and its weights laid out now, so a
+        node's first request does not pay for them. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        kvs = [self.new_cache(16), self.new_cache(16)]
+        ids = torch.arange(1, 9, dtype=torch.int64) % self.args.vocab_size
+        self.forward_packed(ids[:5], [0, 5], kvs[:1])  # a prompt
+        self.forward_packed(ids[:2], [0, 1, 2], kvs)  # a decode step of two requests
+        self.forward_packed(ids[:4], [0, 4], kvs[:1])  # a verify
+        return time.perf_counter() - t0
 
     # --- forward ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -47,6 +47,8 @@ class Node:
         # Device and precision of target and drafter (a drafter is placed like its target).
         self.runner = ModelRunner.of(target) if target is not None else ModelRunner.serving(settings)
         self.target = target or self.runner.load_target(self.target_dir)
+        if target is None:  # kernels built, weights laid out: before ready, not in the first request
+            log.info("serving forward warmed up in %.2f s", self.target.warm_up())
         self.tokenizer = tokenizer or Tokenizer(self.target_dir)
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}"
         self.manifest: Manifest | None = None

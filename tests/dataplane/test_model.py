@@ -126,3 +126,16 @@ def test_lone_request_continuing_its_cache_matches_one_run(tiny_target, new):
     ref = tiny_target.forward_packed(text, [0, len(text)], [tiny_target.new_cache()], hidden_layers=(1,))
     torch.testing.assert_close(out.logits, ref.logits[21:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.hidden, ref.hidden[21:], atol=1e-5, rtol=1e-5)
+
+
+def test_warm_up_builds_the_serving_forward_and_changes_nothing(tiny_dir):
+    """A node warms its target up before it is ready: the fused weights are laid out then,
+    and what the model computes afterwards is what a model never warmed up computes."""
+    warm, cold = TargetModel.from_pretrained(tiny_dir), TargetModel.from_pretrained(tiny_dir)
+    assert warm._fused is None
+    assert warm.warm_up() > 0
+    assert warm._fused is not None
+    ids = torch.tensor([5, 9, 2, 7, 3])
+    kw, kc = warm.new_cache(16), cold.new_cache(16)
+    assert torch.equal(warm.forward_packed(ids, [0, 5], [kw]).logits, cold.forward_packed(ids, [0, 5], [kc]).logits)
+    assert kw.length == kc.length == 5
