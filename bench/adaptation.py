@@ -102,11 +102,13 @@ def answer(target, tok, prompts: list[dict], max_tokens: int, cache_file: Path, 
         eng = Engine(target, DataplaneConfig(mode="ar", max_running=concurrency), None,
                      eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
         seqs = [Sequence(prompts[j]["id"], ids[j], params=SamplingParams(max_tokens=max_tokens)) for j in todo]
-        for s in seqs:
-            eng.add(s)
+        pending = list(seqs)  # fed as requests finish: the engine's admission bounds what may queue
         with tqdm(total=len(seqs), desc=desc, unit="answer") as bar:
             done = 0
-            while eng.step():
+            while pending or eng.load["waiting"] or eng.load["running"]:
+                while pending and eng.load["waiting"] + eng.load["running"] < 2 * concurrency:
+                    eng.add(pending.pop(0))
+                eng.step()
                 now = sum(1 for s in seqs if s.finished_at is not None)
                 bar.update(now - done)
                 done = now

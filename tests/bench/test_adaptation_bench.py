@@ -128,3 +128,18 @@ def test_answers_are_cached_per_prompt_across_counts(target, target_dir, tmp_pat
     assert [a.output_ids for a in four[:2]] == [[7, 7, 7], [5]]  # cached rows win, in the prompts' order
     assert [a.prompt["id"] for a in four] == [p["id"] for p in prompts]
     assert len({r["id"] for r in ds.read_jsonl(str(f))}) == 4
+
+
+def test_answers_more_prompts_than_a_tenant_may_queue(target, target_dir, tmp_path):  # noqa: F811
+    """A stream longer than the admission's per-tenant queue (256 requests by default) is fed
+    to the engine as requests finish, not refused at the 257th."""
+    import promptsets as ds
+    from adaflash.config import DataplaneConfig
+    from bench.adaptation import answer
+    from dataplane.tokenizer import Tokenizer
+
+    limit = DataplaneConfig().tenant_max_queued
+    prompts = ds.train_prompts("math", limit + 20, offset=500_000)
+    out = answer(target, Tokenizer(target_dir), prompts, 2, tmp_path / "answers.jsonl", "answers", concurrency=8)
+    assert [a.prompt["id"] for a in out] == [p["id"] for p in prompts]
+    assert all(1 <= len(a.output_ids) <= 2 for a in out)
