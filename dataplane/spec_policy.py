@@ -42,6 +42,7 @@ expected accepted drafts equal a * (k - 1) for the head's a.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class PolicyConstants:
     reset_share: float = 0.5  # a round keeping this share of its drafts resets the back-off
     unknown_p: float = 0.5  # budget policy: acceptance assumed for a request with no estimate yet
     warmup_rounds: int = 4  # calibrated steps a new drafter's head serves as probes before it is trusted
+    min_gain: float = 1e-3  # budget policy: a verify token less likely kept than this is never worth its cost
 
 
 CONSTANTS = PolicyConstants()
@@ -209,39 +211,47 @@ def best_length(cost: CostCurve, p: float, cap: int, batch: int) -> tuple[int, f
     return best_m, gain
 
 
-def allocate(ps: Sequence[float], caps: Sequence[int], cost: CostCurve, budget: int) -> list[int]:
+def allocate(ps: Sequence[float], caps: Sequence[int], cost: CostCurve, budget: int,
+             min_gain: float = CONSTANTS.min_gain) -> list[int]:
     """The cross-request verify budget: lengths for a step of len(ps) requests.
 
     Every request verifies at least one token; further tokens go, one at a time, to the
     request whose next draft is most likely accepted (p_i^m for its m-th draft: expected
-    accepted tokens per verify token), while the step's expected tokens per second rise
-    under the cost curve (drafter time included for each request that drafts) and the
-    step stays within ``budget`` tokens.
+    accepted tokens per verify token), within each request's cap and ``budget`` tokens in
+    all. Of every prefix of that order, the one with the most expected tokens per second
+    under the cost curve wins (drafter time included for each request that drafts). The
+    whole order is walked, not stopped at the first token that does not pay: a request's
+    first draft carries the drafter's pass, and the step time does not grow smoothly with
+    tokens, so a longer block can pay where one more token does not. Tokens whose
+    acceptance is below ``min_gain`` end the walk.
     """
     n = len(ps)
-    lengths = [1] * n
     if n == 0:
-        return lengths
-    exp_tokens, total = float(n), n
-    drafting = 0
-    rate = exp_tokens / cost.step_time(n, total)
-    while total < budget:
-        j, gain = -1, 0.0
-        for i in range(n):
-            if lengths[i] < caps[i]:
-                g = ps[i] ** lengths[i]
-                if g > gain:
-                    j, gain = i, g
-        if j < 0 or gain <= 0.0:
+        return []
+    heap = [(-ps[i], i) for i in range(n) if caps[i] > 1 and ps[i] > 0.0]
+    heapq.heapify(heap)
+    lengths = [1] * n
+    order: list[int] = []
+    exp_tokens, total, drafting = float(n), n, 0
+    best_rate, best_len = exp_tokens / cost.step_time(n, total), 0
+    while heap and total < budget:
+        neg, i = heapq.heappop(heap)
+        gain = -neg
+        if gain < min_gain:
             break
-        new_drafting = drafting + (lengths[j] == 1)
-        t = cost.step_time(n, total + 1) + new_drafting * cost.draft_per_request_s
-        new_rate = (exp_tokens + gain) / t
-        if new_rate <= rate:
-            break
-        lengths[j] += 1
-        exp_tokens, total, drafting, rate = exp_tokens + gain, total + 1, new_drafting, new_rate
-    return lengths
+        drafting += lengths[i] == 1
+        lengths[i] += 1
+        order.append(i)
+        exp_tokens, total = exp_tokens + gain, total + 1
+        if lengths[i] < caps[i]:
+            heapq.heappush(heap, (-(ps[i] ** lengths[i]), i))
+        rate = exp_tokens / (cost.step_time(n, total) + drafting * cost.draft_per_request_s)
+        if rate > best_rate:
+            best_rate, best_len = rate, len(order)
+    out = [1] * n
+    for i in order[:best_len]:
+        out[i] += 1
+    return out
 
 
 # -- one step ---------------------------------------------------------------------------------------------------

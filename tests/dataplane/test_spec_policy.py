@@ -257,3 +257,25 @@ def test_a_new_drafter_serves_a_few_probes_before_its_head_is_trusted():
     lengths, paid = sp.choose([reqs[i] for i in drafting], [0.9] * len(drafting), [res[i] for i in drafting],
                               6, cfg, node, cost)
     assert not paid and all(reqs[i].skip > 0 for i in drafting)  # measured: drafting does not pay, back off
+
+
+def test_budget_finds_a_block_that_pays_where_one_more_token_does_not():
+    """The drafter's pass is paid once per drafting request: one draft of p = 0.5 does not
+    cover it, three do. The budget walks past the first token that does not pay."""
+    cost = _linear(base=1.0, per_request=0.0, per_token=0.0, draft=0.6)
+    assert (1 + 0.5) / 1.6 < 1.0 < (1 + 0.5 + 0.25 + 0.125) / 1.6
+    lengths = sp.allocate([0.5], [8], cost, budget=64)
+    assert lengths[0] >= 4
+    assert sp.allocate([0.2], [8], cost, budget=64) == [1]  # (1 + 0.25) / 1.6: no block of p = 0.2 pays
+
+
+def test_budget_walks_over_a_bump_in_the_cost_curve():
+    """Measured step times are not smooth (here four tokens cost more than eight)."""
+
+    class Bumpy:
+        draft_per_request_s = 0.0
+
+        def step_time(self, batch, tokens):
+            return {1: 1.0, 2: 1.3, 3: 1.5, 4: 1.9}.get(tokens, 1.35 + 0.01 * tokens)
+
+    assert sp.allocate([0.7], [16], Bumpy(), budget=64)[0] > 4
