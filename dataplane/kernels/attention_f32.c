@@ -167,53 +167,17 @@ static void attend_item(const void *q, int64_t ldq, int64_t h, int64_t i, int64_
     }
 }
 
-/* q [n, heads, d] (token stride ldq), k_new, v_new [n, kvh, d] (token strides ldk, ldv), in
- * bfloat16 (is_bf16) or float32; cache: this layer's [2, kvh, cap, d] float32, holding
- * ``start`` positions. Stores the new keys and values at start .. start+n-1, then
- * out[i, h*d : (h+1)*d] = softmax(scale * q_ih . K[:L_i]) V[:L_i] for query head h of
- * token i, with L_i = start + i + 1 (causal) or start + n; out [n, heads * d] (token
- * stride ldo) in q's precision. Query head h reads kv head h / (heads / kvh). */
-int adaflash_attend_cached(const void *q, int64_t ldq, const void *k_new, int64_t ldk, const void *v_new, int64_t ldv,
-                           int64_t n, int64_t heads, int64_t kvh, int64_t d, float *cache, int64_t cap,
-                           int64_t start, int causal, void *out, int64_t ldo, int is_bf16, float scale,
-                           int threads) {
-    const int64_t g = heads / kvh;
-    if (d > MAX_HEAD_DIM || d % 8 || g > MAX_GROUP || g * kvh != heads || start + n > cap)
-        return -1;
-    store_new(k_new, ldk, v_new, ldv, n, kvh, d, cache, cap, start, is_bf16);
-    const int64_t items = kvh * n, total = start + n;
-    int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (items >= 8)
-    {
-        float *sc = malloc(sizeof(float) * (size_t)(g * total));
-        if (sc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            if (sc == NULL)
-                continue;
-            const int64_t h = it % kvh, i = it / kvh;
-            attend_item(q, ldq, h, i, causal ? start + i + 1 : total, g, d, cache, cap, kvh, scale, is_bf16, sc,
-                        total, out, ldo);
-        }
-        free(sc);
-    }
-    return failed ? -2 : 0;
-}
-
-/* A packed stream of B requests in one call: request b's n[b] tokens are rows row0[b] ..
- * row0[b]+n[b]-1 of q, k_new, v_new and out (strides as above); its cache is the float32
+/* A packed stream of B requests: request b's n[b] tokens are rows row0[b] .. row0[b]+n[b]-1
+ * of q, k_new, v_new and out (token strides ldq, ldk, ldv, ldo); its cache is the float32
  * block at caches[b] + layer * layer_stride[b] ([2, kvh, cap[b], d], ``start[b]``
- * positions). Causal. Every request's new keys and values are stored first; then each
- * (request, kv head, query) item is computed exactly as ``adaflash_attend_cached`` computes
- * it, so a request's rows do not depend on what else is in the batch. */
-int adaflash_attend_cached_batch(const void *q, int64_t ldq, const void *k_new, int64_t ldk, const void *v_new,
-                                 int64_t ldv, int64_t B, const int64_t *row0, const int64_t *n,
-                                 float *const *caches, const int64_t *layer_stride, const int64_t *cap,
-                                 const int64_t *start, int64_t layer, int64_t heads, int64_t kvh, int64_t d,
-                                 void *out, int64_t ldo, int is_bf16, float scale, int threads) {
+ * positions). Every request's new keys and values are stored first; then each (request,
+ * kv head, query) item is computed on its own (``attend_item``), so a request's rows do not
+ * depend on what else is in the batch. */
+static int attend_stream(const void *q, int64_t ldq, const void *k_new, int64_t ldk, const void *v_new, int64_t ldv,
+                         int64_t B, const int64_t *row0, const int64_t *n, float *const *caches,
+                         const int64_t *layer_stride, const int64_t *cap, const int64_t *start, int64_t layer,
+                         int64_t heads, int64_t kvh, int64_t d, int causal, void *out, int64_t ldo, int is_bf16,
+                         float scale, int threads) {
     const int64_t g = heads / kvh;
     if (d > MAX_HEAD_DIM || d % 8 || g > MAX_GROUP || g * kvh != heads)
         return -1;
@@ -246,11 +210,38 @@ int adaflash_attend_cached_batch(const void *q, int64_t ldq, const void *k_new, 
             while (it >= first + kvh * n[b])
                 first += kvh * n[b++];
             const int64_t local = it - first, h = local % kvh, i = local / kvh, total = start[b] + n[b];
-            attend_item((const char *)q + row0[b] * ldq * es, ldq, h, i, start[b] + i + 1, g, d,
+            attend_item((const char *)q + row0[b] * ldq * es, ldq, h, i, causal ? start[b] + i + 1 : total, g, d,
                         caches[b] + layer * layer_stride[b], cap[b], kvh, scale, is_bf16, sc, total,
                         (char *)out + row0[b] * ldo * es, ldo);
         }
         free(sc);
     }
     return failed ? -2 : 0;
+}
+
+/* q [n, heads, d] (token stride ldq), k_new, v_new [n, kvh, d] (token strides ldk, ldv), in
+ * bfloat16 (is_bf16) or float32; cache: this layer's [2, kvh, cap, d] float32, holding
+ * ``start`` positions. Stores the new keys and values at start .. start+n-1, then
+ * out[i, h*d : (h+1)*d] = softmax(scale * q_ih . K[:L_i]) V[:L_i] for query head h of
+ * token i, with L_i = start + i + 1 (causal) or start + n; out [n, heads * d] (token
+ * stride ldo) in q's precision. Query head h reads kv head h / (heads / kvh). */
+int adaflash_attend_cached(const void *q, int64_t ldq, const void *k_new, int64_t ldk, const void *v_new, int64_t ldv,
+                           int64_t n, int64_t heads, int64_t kvh, int64_t d, float *cache, int64_t cap,
+                           int64_t start, int causal, void *out, int64_t ldo, int is_bf16, float scale,
+                           int threads) {
+    const int64_t row0 = 0, stride = 0;
+    float *caches[1] = {cache};
+    return attend_stream(q, ldq, k_new, ldk, v_new, ldv, 1, &row0, &n, caches, &stride, &cap, &start, 0, heads, kvh,
+                         d, causal, out, ldo, is_bf16, scale, threads);
+}
+
+/* The packed stream of B requests (``attend_stream``) in one call, causal: each request's
+ * rows exactly as ``adaflash_attend_cached`` computes them alone. */
+int adaflash_attend_cached_batch(const void *q, int64_t ldq, const void *k_new, int64_t ldk, const void *v_new,
+                                 int64_t ldv, int64_t B, const int64_t *row0, const int64_t *n,
+                                 float *const *caches, const int64_t *layer_stride, const int64_t *cap,
+                                 const int64_t *start, int64_t layer, int64_t heads, int64_t kvh, int64_t d,
+                                 void *out, int64_t ldo, int is_bf16, float scale, int threads) {
+    return attend_stream(q, ldq, k_new, ldk, v_new, ldv, B, row0, n, caches, layer_stride, cap, start, layer, heads,
+                         kvh, d, 1, out, ldo, is_bf16, scale, threads);
 }
