@@ -212,19 +212,21 @@ def best_length(cost: CostCurve, p: float, cap: int, batch: int) -> tuple[int, f
 
 
 def allocate(ps: Sequence[float], caps: Sequence[int], cost: CostCurve, budget: int,
-             min_gain: float = CONSTANTS.min_gain) -> list[int]:
+             draft_s: float | None = None, min_gain: float = CONSTANTS.min_gain) -> list[int]:
     """The cross-request verify budget: lengths for a step of len(ps) requests.
 
     Every request verifies at least one token; further tokens go, one at a time, to the
     request whose next draft is most likely accepted (p_i^m for its m-th draft: expected
     accepted tokens per verify token), within each request's cap and ``budget`` tokens in
     all. Of every prefix of that order, the one with the most expected tokens per second
-    under the cost curve wins (drafter time included for each request that drafts). The
-    whole order is walked, not stopped at the first token that does not pay: a request's
-    first draft carries the drafter's pass, and the step time does not grow smoothly with
-    tokens, so a longer block can pay where one more token does not. Tokens whose
-    acceptance is below ``min_gain`` end the walk.
+    under the cost curve wins (``draft_s`` per request that drafts: the drafter's pass,
+    ``cost.draft_per_request_s`` by default; 0 once the pass has run). The whole order is
+    walked, not stopped at the first token that does not pay: a request's first draft
+    carries the drafter's pass, and the step time does not grow smoothly with tokens, so a
+    longer block can pay where one more token does not. Tokens whose acceptance is below
+    ``min_gain`` end the walk.
     """
+    draft_s = cost.draft_per_request_s if draft_s is None else draft_s
     n = len(ps)
     if n == 0:
         return []
@@ -245,7 +247,7 @@ def allocate(ps: Sequence[float], caps: Sequence[int], cost: CostCurve, budget: 
         exp_tokens, total = exp_tokens + gain, total + 1
         if lengths[i] < caps[i]:
             heapq.heappush(heap, (-(ps[i] ** lengths[i]), i))
-        rate = exp_tokens / (cost.step_time(n, total) + drafting * cost.draft_per_request_s)
+        rate = exp_tokens / (cost.step_time(n, total) + drafting * draft_s)
         if rate > best_rate:
             best_rate, best_len = rate, len(order)
     out = [1] * n
@@ -349,8 +351,8 @@ def choose(reqs: Sequence[RequestState], a_hats: Sequence[float], reserved: Sequ
         for r, p in zip(reqs, ps, strict=True):
             r.p_est = p
         return list(reserved), True
-    if cfg.policy == "budget":
-        lengths = allocate(ps, reserved, cost, sum(reserved))
+    if cfg.policy == "budget":  # the drafter has run: its pass is spent, as ``best_length`` counts it
+        lengths = allocate(ps, reserved, cost, sum(reserved), draft_s=0.0)
     else:
         lengths = [best_length(cost, p, cap, batch)[0] for p, cap in zip(ps, reserved, strict=True)]
     paid = False

@@ -267,6 +267,8 @@ def test_budget_finds_a_block_that_pays_where_one_more_token_does_not():
     lengths = sp.allocate([0.5], [8], cost, budget=64)
     assert lengths[0] >= 4
     assert sp.allocate([0.2], [8], cost, budget=64) == [1]  # (1 + 0.25) / 1.6: no block of p = 0.2 pays
+    # after the head the pass is spent: the drafts made are verified where they bring tokens
+    assert sp.allocate([0.2], [8], cost, budget=64, draft_s=0.0)[0] > 1
 
 
 def test_budget_walks_over_a_bump_in_the_cost_curve():
