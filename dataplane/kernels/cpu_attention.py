@@ -184,7 +184,8 @@ def available() -> bool:
         data = [torch.randn(3, 2, 2, 24, 16, generator=g) for _ in bounds]
         alone = [t.clone() for t in data]
         got = attend_batch(q, k, v, BatchArgs(data, bounds), 1)
-        want = torch.cat([attend_cached(q[s:e], k[s:e], v[s:e], t[1], st) for t, (s, e, st) in zip(alone, bounds)])
+        want = torch.cat([attend_cached(q[s:e], k[s:e], v[s:e], t[1], st)
+                          for t, (s, e, st) in zip(alone, bounds, strict=True)])
         ok &= torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(data, alone, strict=True))
     if not ok:
         log.warning("attention kernel disagrees with its reference; not used")
