@@ -215,17 +215,12 @@ def allocate(ps: Sequence[float], caps: Sequence[int], cost: CostCurve, budget: 
              draft_s: float | None = None, min_gain: float = CONSTANTS.min_gain) -> list[int]:
     """The cross-request verify budget: lengths for a step of len(ps) requests.
 
-    Every request verifies at least one token; further tokens go, one at a time, to the
-    request whose next draft is most likely accepted (p_i^m for its m-th draft: expected
-    accepted tokens per verify token), within each request's cap and ``budget`` tokens in
-    all. Of every prefix of that order, the one with the most expected tokens per second
-    under the cost curve wins (``draft_s`` per request that drafts: the drafter's pass,
-    ``cost.draft_per_request_s`` by default; 0 once the pass has run). The whole order is
-    walked, not stopped at the first token that does not pay: a request's first draft
-    carries the drafter's pass, and the step time does not grow smoothly with tokens, so a
-    longer block can pay where one more token does not. Tokens whose acceptance is below
-    ``min_gain`` end the walk.
-    """
+    Every request verifies one token; more go, one at a time, to the request whose next
+    draft is most likely kept (p_i^m for its m-th draft), within its cap and ``budget``,
+    until p falls below ``min_gain``. The prefix of that order with the most expected
+    tokens per second under the cost curve wins, ``draft_s`` per drafting request (default
+    ``cost.draft_per_request_s``, 0 once the pass ran): a first draft carries the pass and
+    step times are not smooth, so a longer block can pay where one more token does not."""
     draft_s = cost.draft_per_request_s if draft_s is None else draft_s
     n = len(ps)
     if n == 0:
