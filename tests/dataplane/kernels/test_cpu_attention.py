@@ -109,6 +109,8 @@ def _stream(bounds, heads, kvh, d, dtype, seed, layers=3):
     return q, k, v, data
 
 
+# The batched kernel is compiled with -mavx2 -mfma; a CPU without AVX2 never runs it (takes_batch says
+# no and the padded-group path serves), so there is nothing of it to test there. Every machine here has AVX2.
 @pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bounds", [
@@ -150,6 +152,8 @@ def test_streams_the_batched_kernel_does_not_take():
                               short)  # not contiguous
 
 
+# The batched kernel is compiled with -mavx2 -mfma; a CPU without AVX2 never runs it (takes_batch says
+# no and the padded-group path serves), so there is nothing of it to test there. Every machine here has AVX2.
 @pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_through_the_serving_forward_matches_the_reference_forward(tiny_dir, dtype, monkeypatch):
