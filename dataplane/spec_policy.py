@@ -68,7 +68,7 @@ class PolicyConstants:
     reset_share: float = 0.5  # a round keeping this share of its drafts resets the back-off
     unknown_p: float = 0.5  # budget policy: acceptance assumed for a request with no estimate yet
     warmup_rounds: int = 4  # calibrated steps a new drafter's head serves as probes before it is trusted
-    min_gain: float = 1e-3  # budget policy: a verify token less likely kept than this is never worth its cost
+    min_gain: float = 1e-5  # budget policy: a verify token less likely kept than this is never worth its cost
 
 
 CONSTANTS = PolicyConstants()
@@ -281,10 +281,10 @@ def reserve(reqs: Sequence[RequestState], caps: Sequence[int], eligible: Sequenc
     _probe_pass(may, cfg, node)
     batch = batch or len(reqs)
     if cfg.policy == "budget" and cfg.mode == "adaptive":
-        ps = [(r.p_est if r.p_est is not None else cfg.consts.unknown_p) if m else 0.0 for r, m in zip(reqs, may,
-                                                                                                       strict=True)]
+        unk = cfg.consts.unknown_p  # the pass is not charged here: ``choose`` backs off who it does not pay for
+        ps = [(r.p_est if r.p_est is not None else unk) if m else 0.0 for r, m in zip(reqs, may, strict=True)]
         lims = [_probe_cap(r, c, cfg) if m else 1 for r, c, m in zip(reqs, caps, may, strict=True)]
-        alloc = allocate(ps, lims, cost, cfg.max_verify_tokens)
+        alloc = allocate(ps, lims, cost, cfg.max_verify_tokens, draft_s=0.0)
         return [max(a, 2) if m else 1 for a, m in zip(alloc, may, strict=True)]
     for i, r in enumerate(reqs):
         if not may[i]:

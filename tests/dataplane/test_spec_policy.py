@@ -281,3 +281,27 @@ def test_budget_walks_over_a_bump_in_the_cost_curve():
             return {1: 1.0, 2: 1.3, 3: 1.5, 4: 1.9}.get(tokens, 1.35 + 0.01 * tokens)
 
     assert sp.allocate([0.7], [16], Bumpy(), budget=64)[0] > 4
+
+
+def test_budget_of_one_request_drafts_as_the_per_request_rule():
+    """With one request there is nothing to share: the budget must find the same lengths as
+    the per-request rule on a measured, non-smooth C=1 curve (here eight tokens cost less than
+    four), for predictable and unpredictable text alike."""
+    import random
+
+    cost = _curve({1: 0.0169, 2: 0.0183, 3: 0.0189, 4: 0.0203, 5: 0.0203, 8: 0.0194, 16: 0.0211}, draft=0.0025)
+    rng = random.Random(3)
+    accepted, a_hats = [], []
+    for _ in range(3000):
+        p = rng.choice([0.05, 0.1, 0.3, 0.6, 0.85])
+        acc = 0
+        while acc < 15 and rng.random() < p:
+            acc += 1
+        accepted.append(acc)
+        a_hats.append(sum(p**j for j in range(1, 16)) / 15)
+    verified = {}
+    for policy in ("per_request", "budget"):
+        rounds = sp.simulate(a_hats, accepted, 2800, sp.PolicyConfig(policy=policy), cost)
+        verified[policy] = [r.k_hat for r in rounds]
+    assert sum(verified["per_request"]) / len(verified["per_request"]) > 2.0
+    assert verified["budget"] == verified["per_request"]
