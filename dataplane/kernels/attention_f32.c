@@ -47,6 +47,68 @@ static inline float exp_nonpos(float x) {
     return x < -87.3f ? 0.0f : p * s.f;
 }
 
+/* The sum of a vector's eight lanes. */
+static inline float hsum8(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+/* ``exp_nonpos`` of eight lanes, lane by lane the scalar function's operations in its order. */
+static inline __m256 exp_nonpos8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), shift = _mm256_set1_ps(12582912.0f);
+    const __m256 xc = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), shift), shift);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_GE_OQ)); /* 0 below -87.3 */
+}
+
+/* Softmax of s[0..L) in place: the maximum, exp of the shifted scores eight at a time (the
+ * last L % 8 through the scalar function), their sum, normalised. A row's result depends
+ * on its scores and L only. */
+static void softmax_row(float *s, int64_t L) {
+    __m256 mv = _mm256_set1_ps(s[0]);
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8)
+        mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    float m = s[0];
+    {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        for (int u = 0; u < 8; u++)
+            m = lanes[u] > m ? lanes[u] : m;
+    }
+    for (; j < L; j++)
+        m = s[j] > m ? s[j] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= L; j += 8) {
+        const __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+        _mm256_storeu_ps(s + j, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum8(sv);
+    for (; j < L; j++) {
+        s[j] = exp_nonpos(s[j] - m);
+        sum += s[j];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (j = 0; j + 8 <= L; j += 8)
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    for (; j < L; j++)
+        s[j] *= 1.0f / sum;
+}
+
 /* s[j] = scale * (q . K[j]) for j < L; K [L, d] rows of d floats. Eight keys at a time in
  * eight AVX2 accumulators, summed across lanes by a tree of horizontal adds (d % 8 == 0). */
 static void scores8(const float *qv, const float *K, int64_t L, int64_t d, float scale, float *s) {
@@ -67,19 +129,20 @@ static void scores8(const float *qv, const float *K, int64_t L, int64_t d, float
         const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
         _mm256_storeu_ps(s + j, _mm256_mul_ps(sum, sc));
     }
-    for (; j < L; j++) {
-        float acc = 0.0f;
-        for (int64_t t = 0; t < d; t++)
-            acc += qv[t] * K[j * d + t];
-        s[j] = acc * scale;
+    for (; j < L; j++) { /* the last L % 8 keys: one accumulator each, summed across lanes */
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t t = 0; t < d; t += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + t), _mm256_loadu_ps(K + j * d + t), a);
+        s[j] = hsum8(a) * scale;
     }
 }
 
 /* acc[r, t] = sum_j P[r, j] * V[j, t] for r < R (at most 3 query heads sharing a kv head),
  * t < d: P [R, L] (row stride ldp), V [L, d], acc [R, d]. Each key's values are loaded once
- * for the R rows; 32 columns at a time keep the 3 x 4 accumulators in registers. */
+ * for the R rows; 16 columns at a time keep the 3 x 2 accumulators, two value vectors and
+ * three weights within AVX2's sixteen registers (32 columns spilled to the stack). */
 static void weighted_values(const float *P, int64_t ldp, int R, const float *V, int64_t L, int64_t d, float *acc) {
-    if (d % 32) {
+    if (d % 16) {
         memset(acc, 0, sizeof(float) * (size_t)(R * d));
         for (int r = 0; r < R; r++)
             for (int64_t j = 0; j < L; j++)
@@ -88,26 +151,25 @@ static void weighted_values(const float *P, int64_t ldp, int R, const float *V, 
         return;
     }
     const float *p0 = P, *p1 = P + (R > 1 ? ldp : 0), *p2 = P + (R > 2 ? 2 * ldp : 0);
-    for (int64_t t0 = 0; t0 < d; t0 += 32) {
-        __m256 a[3][4];
-        for (int r = 0; r < 3; r++)
-            for (int c = 0; c < 4; c++)
-                a[r][c] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < d; t0 += 16) {
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t j = 0; j < L; j++) {
             const float *vj = V + j * d + t0;
             const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
-            const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);
-            const __m256 w[3] = {_mm256_broadcast_ss(p0 + j), _mm256_broadcast_ss(p1 + j), _mm256_broadcast_ss(p2 + j)};
-            for (int r = 0; r < 3; r++) {
-                a[r][0] = _mm256_fmadd_ps(w[r], v0, a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(w[r], v1, a[r][1]);
-                a[r][2] = _mm256_fmadd_ps(w[r], v2, a[r][2]);
-                a[r][3] = _mm256_fmadd_ps(w[r], v3, a[r][3]);
-            }
+            const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
+            const __m256 w2 = _mm256_broadcast_ss(p2 + j);
+            a00 = _mm256_fmadd_ps(w0, v0, a00);
+            a01 = _mm256_fmadd_ps(w0, v1, a01);
+            a10 = _mm256_fmadd_ps(w1, v0, a10);
+            a11 = _mm256_fmadd_ps(w1, v1, a11);
+            a20 = _mm256_fmadd_ps(w2, v0, a20);
+            a21 = _mm256_fmadd_ps(w2, v1, a21);
         }
-        for (int r = 0; r < R; r++)
-            for (int c = 0; c < 4; c++)
-                _mm256_storeu_ps(acc + r * d + t0 + 8 * c, a[r][c]);
+        const __m256 a[3][2] = {{a00, a01}, {a10, a11}, {a20, a21}};
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(acc + r * d + t0, a[r][0]);
+            _mm256_storeu_ps(acc + r * d + t0 + 8, a[r][1]);
+        }
     }
 }
 
@@ -139,20 +201,8 @@ static void attend_item(const void *q, int64_t ldq, int64_t h, int64_t i, int64_
             qv[t] = load(q, i * ldq + (h * g + r) * d + t, is_bf16);
         scores8(qv, K, L, d, scale, sc + r * stride);
     }
-    for (int64_t r = 0; r < g; r++) { /* softmax of each row, in place */
-        float *s = sc + r * stride, m = s[0], sum = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 1; j < L; j++)
-            m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < L; j++) {
-            s[j] = exp_nonpos(s[j] - m);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < L; j++)
-            s[j] *= inv;
-    }
+    for (int64_t r = 0; r < g; r++) /* softmax of each row, in place */
+        softmax_row(sc + r * stride, L);
     for (int64_t r0 = 0; r0 < g; r0 += 3) {
         const int R = g - r0 < 3 ? (int)(g - r0) : 3;
         weighted_values(sc + r0 * stride, stride, R, V, L, d, acc);
