@@ -9,6 +9,13 @@ the linear model's slope. The linear model ``base + per_request * B + per_token 
 started from priors and refitted by ridge least squares on recent steps, is the fallback
 where nothing was measured.
 
+Step times are noisy on a shared machine, and a few steps can make more verify tokens look
+cheaper than fewer (at C=32 on a 2-core Zen 4, 40 tokens measured 55 ms against 58 ms for 32,
+so drafting looked free where it cost a fifth of the step). The target's weight products
+alone, timed per row count when the node starts (``TargetModel.product_times``), bound
+that: verifying n tokens over b requests costs at least the time at b tokens plus the
+products of the n - b extra rows.
+
 The policy built on this curve (which lengths pay) lives in ``dataplane.spec_policy``;
 ``snapshot`` / ``from_snapshot`` carry the curve in heartbeats
 (``adaflash.contracts.cost_curve.CostCurve``).
@@ -21,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from adaflash.contracts.cost_curve import MAX_COST_POINTS, CostCurve, CostPoint
+from adaflash.contracts.cost_curve import MAX_COST_POINTS, CostCurve, CostPoint, ProductPoint
 
 MIN_POINT_COUNT = 2  # a table entry is used once it averaged this many steps (the first is warm-up prone)
 POINT_EMA = 0.2  # weight of a new step in its entry, after the first 1/POINT_EMA steps (plain mean before)
@@ -37,6 +44,35 @@ class CostModel:
         self.obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.table: dict[tuple[int, int], tuple[float, int]] = {}  # (batch, tokens) -> (seconds, count)
         self._rows: dict[int, list[tuple[int, float]]] | None = None  # batch -> sorted (tokens, seconds)
+        self.products: list[tuple[int, float]] = []  # (rows, seconds) of the weight products alone, rising
+
+    def set_products(self, points) -> None:
+        """The target's weight products timed per row count ((rows, seconds) pairs): the
+        least that extra verify rows cost. Made non-decreasing in rows."""
+        out: list[tuple[int, float]] = []
+        for r, sec in sorted((int(r), float(sec)) for r, sec in points):
+            out.append((r, max(sec, out[-1][1]) if out else sec))
+        self.products = out
+
+    def products_time(self, rows: int) -> float:
+        """Seconds of the weight products for ``rows`` rows, interpolated in ``products``
+        (beyond the last point, along its last segment's slope)."""
+        pts = self.products
+        if not pts:
+            return 0.0
+        rs = [r for r, _ in pts]
+        i = bisect.bisect_left(rs, rows)
+        if i < len(pts) and rs[i] == rows:
+            return pts[i][1]
+        if i == 0:
+            return pts[0][1]
+        if i == len(pts):
+            if len(pts) == 1:
+                return pts[-1][1]
+            (r0, s0), (r1, s1) = pts[-2], pts[-1]
+            return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
+        (r0, s0), (r1, s1) = pts[i - 1], pts[i]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
     # -- measuring --
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
@@ -104,7 +140,15 @@ class CostModel:
         return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
 
     def step_time(self, batch: int, tokens: int) -> float:
-        """Seconds of one verify pass over ``batch`` requests and ``tokens`` tokens."""
+        """Seconds of one verify pass over ``batch`` requests and ``tokens`` tokens: the measured
+        curve, and where tokens > batch never less than the plain step plus the extra rows' products."""
+        t = self._measured_time(batch, tokens)
+        if self.products and tokens > batch:
+            extra = self.products_time(tokens) - self.products_time(batch)
+            t = max(t, self._measured_time(batch, batch) + extra)
+        return t
+
+    def _measured_time(self, batch: int, tokens: int) -> float:
         rows = self._table_rows()
         if not rows:
             return self.linear_time(batch, tokens)
@@ -129,6 +173,7 @@ class CostModel:
                          draft_per_request_s=float(self.draft_per_request_s),
                          points=[CostPoint(batch=b, tokens=t, seconds=s, count=n)
                                  for (b, t), (s, n) in sorted(pts)],
+                         products=[ProductPoint(rows=r, seconds=s) for r, s in self.products],
                          observations=len(self.obs))
 
     @classmethod
@@ -138,4 +183,5 @@ class CostModel:
                 draft_per_request_s=c.draft_per_request_s)
         for p in c.points:
             m.table[(p.batch, p.tokens)] = (p.seconds, p.count)
+        m.set_products((p.rows, p.seconds) for p in c.products)
         return m

@@ -51,6 +51,7 @@ class Engine:
         self.metrics = metrics or NodeMetrics(cfg.block_size)
         self.metrics.set_drafter(self.drafter_version)
         self.cost = CostModel()
+        self.cost.set_products(getattr(target, "product_curve", None) or [])  # measured by TargetModel.warm_up
         self.step_runner = SpecStep(target, PolicyConfig.of(cfg), self.cost)
         self.admission = TenantAdmission(cfg, self.metrics.registry, tps=lambda: self.metrics.live()["tps"])
         self.scheduler = Scheduler(cfg.max_running, cfg.max_verify_tokens, cfg.max_prefill_tokens, cfg.ema_beta,

@@ -185,6 +185,8 @@ class TargetModel(nn.Module):
         self._fused: FusedModel | None = None
         # The module-by-module forward (tests compare the fused serving forward with it).
         self.reference = False
+        # (rows, seconds) of the weight products alone, measured by ``warm_up`` (CostModel.set_products).
+        self.product_curve: list[tuple[int, float]] = []
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -212,6 +214,7 @@ class TargetModel(nn.Module):
         model.batch_invariant = False
         model._fused = None
         model.reference = False
+        model.product_curve = []
         return model
 
     def fused(self) -> FusedModel:
@@ -243,7 +246,32 @@ class TargetModel(nn.Module):
         self.forward_packed(ids[:5], [0, 5], kvs[:1])  # a prompt
         self.forward_packed(ids[:2], [0, 1, 2], kvs)  # a decode step of two requests
         self.forward_packed(ids[:4], [0, 4], kvs[:1])  # a verify
+        self.product_curve = self.product_times()
         return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def product_times(self, rows=(1, 8, 16, 32, 64, 128, 256), repeats: int = 2) -> list[tuple[int, float]]:
+        """(rows, seconds): every weight product of one serving forward (each layer's fused
+        matrices and the output head) on ``rows`` rows of random input, the fastest of
+        ``repeats``: what the rows of extra verified tokens cost at least."""
+        f = self.fused()
+        mats = [m for layer in f.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [f.lm_head]
+        w = self.lm_head.weight
+        g = torch.Generator().manual_seed(0)
+        out = []
+        for r in rows:
+            xs = {k: torch.randn(r, k, generator=g).to(dtype=w.dtype, device=w.device)
+                  for k in {m.weight.shape[1] for m in mats}}
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for m in mats:
+                    m(xs[m.weight.shape[1]])
+                if w.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out.append((r, best))
+        return out
 
     # --- forward ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -3,8 +3,10 @@
 ``points`` are measured step times: one verify pass over ``batch`` requests and
 ``tokens`` verify tokens took ``seconds`` (a moving average over ``count`` steps). The
 linear coefficients are the fallback where the table has no nearby measurement (the
-priors, refitted once the node has observations). ``dataplane.cost_model.CostModel``
-builds and interpolates it.
+priors, refitted once the node has observations). ``products`` are the seconds the
+target's weight products alone took for ``rows`` rows, measured once at start: extra
+verify tokens never cost less than their rows' products (noisy step times can say
+otherwise). ``dataplane.cost_model.CostModel`` builds and interpolates it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ class CostPoint(BaseModel):
     count: int = Field(ge=1)
 
 
+class ProductPoint(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rows: int = Field(ge=1, le=10_000_000)
+    seconds: Seconds
+
+
 class CostCurve(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # a bool is not a count
 
@@ -35,6 +44,7 @@ class CostCurve(BaseModel):
     per_token_s: Seconds
     draft_per_request_s: Seconds
     points: list[CostPoint] = Field(default_factory=list, max_length=MAX_COST_POINTS)
+    products: list[ProductPoint] = Field(default_factory=list, max_length=64)
     observations: int = Field(default=0, ge=0)
 
     @property

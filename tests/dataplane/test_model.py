@@ -139,3 +139,20 @@ def test_warm_up_builds_the_serving_forward_and_changes_nothing(tiny_dir):
     kw, kc = warm.new_cache(16), cold.new_cache(16)
     assert torch.equal(warm.forward_packed(ids, [0, 5], [kw]).logits, cold.forward_packed(ids, [0, 5], [kc]).logits)
     assert kw.length == kc.length == 5
+
+
+def test_warm_up_times_the_weight_products_for_the_cost_model(tiny_dir):
+    """The warm-up also times the weight products per row count; an engine on that target
+    prices extra verify rows at no less than them (``CostModel.set_products``)."""
+    from adaflash.config import DataplaneConfig
+    from dataplane.engine import Engine
+
+    m = TargetModel.from_pretrained(tiny_dir)
+    assert m.product_curve == []
+    m.warm_up()
+    rows = [r for r, _ in m.product_curve]
+    assert rows == sorted(rows) and rows[0] == 1 and rows[-1] >= 64
+    assert all(s > 0 for _, s in m.product_curve)
+    eng = Engine(m, DataplaneConfig(mode="ar"))
+    assert [r for r, _ in eng.cost.products] == rows
+    assert eng.cost.snapshot().products and eng.cost.products_time(rows[-1]) >= eng.cost.products_time(1)

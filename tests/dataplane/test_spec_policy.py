@@ -62,12 +62,33 @@ def test_cost_curve_interpolates_measured_points_and_falls_back_to_priors():
 
 def test_cost_curve_snapshot_round_trips_through_the_contract():
     c = _curve({1: 0.01, 2: 0.011, 3: 0.012, 4: 0.03})
+    c.set_products([(1, 0.001), (4, 0.012), (16, 0.02)])
     snap = c.snapshot()
-    assert isinstance(snap, CostCurve) and snap.measured and len(snap.points) == 4
+    assert isinstance(snap, CostCurve) and snap.measured and len(snap.points) == 4 and len(snap.products) == 3
     back = CostModel.from_snapshot(CostCurve.model_validate_json(snap.model_dump_json()))
-    for t in (1, 2, 3, 4, 6):
+    for t in (1, 2, 3, 4, 6, 40):
         assert back.step_time(1, t) == pytest.approx(c.step_time(1, t))
+    assert back.step_time(1, 3) > 0.012  # the products' floor travels with the curve
     assert not _linear().snapshot().measured
+
+
+def test_extra_verify_tokens_never_cost_less_than_their_products():
+    """Noisy steps at C=32 (as measured on a 2-core Zen 4): 40 tokens looked cheaper than 32,
+    so drafting looked free. The products of the eight extra rows bound it from below, and
+    a draft kept with p = 0.3 no longer pays there."""
+    c = _linear()
+    for tokens, s in ((32, 0.0581), (40, 0.0550)):
+        c.set_point(32, tokens, s)
+    assert c.step_time(32, 40) < c.step_time(32, 32)
+    assert sp.best_length(c, 0.3, 16, 32)[0] > 1
+    c.set_products([(1, 0.0120), (8, 0.0116), (32, 0.0263), (64, 0.0480)])  # non-decreasing once set
+    assert c.products_time(8) == pytest.approx(0.0120) and c.products_time(128) == pytest.approx(0.0914)
+    assert c.step_time(32, 40) == pytest.approx(0.0581 + (0.0263 + (0.0480 - 0.0263) / 4) - 0.0263)
+    assert c.step_time(32, 32) == pytest.approx(0.0581)  # a plain step is what was measured
+    assert sp.best_length(c, 0.3, 16, 32)[0] == 1
+    cheap = _curve({1: 0.010, 16: 0.019}, draft=0.0)  # where the step curve is above the floor, it rules
+    cheap.set_products([(1, 0.009), (16, 0.012)])
+    assert cheap.step_time(1, 16) == pytest.approx(0.019)
 
 
 # -- break-even ---------------------------------------------------------------------------------------------
