@@ -262,7 +262,7 @@ class Engine:
             a = self._accepted_before_eos(s, result.committed[b], a)
             s.draft_s += plan.draft_s / len(plan.seqs)
             s.verify_s += result.verify_s / len(plan.seqs)
-            runner.record_round(s, plan.k_hat[b], a, plan.a_hat[b])
+            runner.record_round(s, plan.k_hat[b], a, plan.a_hat[b], len(plan.seqs))
             if hidden is not None and s.drafter_kv is not None and s.drafter_version == self.drafter_version:
                 s.context_pending.append(hidden[cu[b] : cu[b] + a + 1])
             rows = result.logits[cu[b] : cu[b] + len(result.committed[b])]

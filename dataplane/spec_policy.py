@@ -22,15 +22,13 @@ One step, as the engine runs it:
    step time under the cost curve (``best_length``). A request whose best m does not pay
    for its drafter share backs off (skips drafting for ``backoff`` steps, doubling up to
    ``max_backoff``) and comes back through a probe: a short block of ``probe_length``
-   tokens that resets the back-off when its draft is accepted. A node whose last pass paid
-   for nobody skips the drafter for ``backoff`` steps (doubling up to ``max_node_backoff``,
-   longer than a request's ceiling: it spans requests, so a drafter that pays for nobody
-   costs a pass every few dozen steps, not a few passes per request), then lets only
-   ``probe_requests`` requests (taking turns) draft in its next pass.
-   A drafter just set (no calibrated steps yet) is on probation the same way: for its
-   first ``warmup_rounds`` calibrated steps only ``probe_requests`` requests draft, each a
-   probe, so an untrained head that claims high acceptance costs a few probes, not every
-   request's full block, before calibration has measured it.
+   tokens that resets the back-off when its draft is accepted (and, with other requests in
+   the step, drafting would then pay at that batch). A node whose last pass paid for nobody skips the drafter for ``backoff``
+   steps (doubling up to ``max_node_backoff``: it spans requests), then lets only
+   ``probe_requests`` requests (taking turns) draft in its next pass. A drafter just set
+   is on probation the same way: for its first ``warmup_rounds`` calibrated steps only
+   ``probe_requests`` requests draft, each a probe, so an untrained head that claims high
+   acceptance costs a few probes before calibration has measured it.
 3. ``observe`` (after verification): the round joins the request's history, calibration
    (realised / predicted accepted drafts) is updated, and the node backs the drafter off
    when a pass paid for no request.
@@ -136,8 +134,7 @@ def paper_k_hat(a_hat: float, k: int, gamma: float) -> int:
 
 
 def head_label(accepted, verified: int):
-    """The length head's label a* = accepted drafts / drafts verified (the paper's accepted
-    tokens over candidate length); ``accepted`` may be a number or a tensor."""
+    """The head's label a* = accepted drafts / drafts verified (the paper's); ``accepted``: number or tensor."""
     return accepted / max(verified - 1, 1)
 
 
@@ -175,16 +172,18 @@ def head_p(a_hat: float, cfg: PolicyConfig, node: NodeState) -> float:
 
 
 def request_p(a_hat: float, req: RequestState, cfg: PolicyConfig, node: NodeState) -> float:
-    """The head's calibrated p blended with the request's own recent rounds (geometric
-    estimate: accepted drafts over accepted drafts + rejections)."""
-    p = head_p(a_hat, cfg, node)
-    recent = req.recent[-cfg.consts.recent_rounds :]
+    """The head's calibrated p blended with the request's own recent rounds."""
+    return _blend(head_p(a_hat, cfg, node), req.recent, cfg)
+
+
+def _blend(p: float, recent: list[RoundOutcome], cfg: PolicyConfig) -> float:
+    """p blended (``own_weight``) with the geometric estimate of the last rounds: accepted
+    drafts over accepted drafts + rejections."""
+    recent = recent[-cfg.consts.recent_rounds :]
     acc = sum(r.accepted for r in recent)
     rejections = sum(1 for r in recent if r.accepted < r.k_hat - 1)
-    if acc + rejections:
-        w = cfg.consts.own_weight
-        p = (1.0 - w) * p + w * acc / (acc + rejections)
-    return p
+    w = cfg.consts.own_weight
+    return (1.0 - w) * p + w * acc / (acc + rejections) if acc + rejections else p
 
 
 # -- lengths under the cost curve ---------------------------------------------------------------------------
@@ -391,26 +390,27 @@ def after_pass(cfg: PolicyConfig, node: NodeState, paid: bool) -> None:
         node.backoff = min(cfg.consts.max_node_backoff, 2 * node.backoff)
 
 
-def observe(req: RequestState, k_hat: int, accepted: int, cfg: PolicyConfig, node: NodeState | None = None) -> None:
+def observe(req: RequestState, k_hat: int, accepted: int, cfg: PolicyConfig, node: NodeState | None = None,
+            cost: CostCurve | None = None, batch: int = 1) -> None:
     """Step 3, per request: its verified round joins its history; a round that kept enough
     of its drafts (a probe: its draft) ends the back-off, a probe that did not backs off.
-    A kept probe ends the node's back-off too: drafting pays again."""
+    A kept probe ends the node's back-off too, unless (with ``cost``, ``batch`` > 1) drafting
+    still would not pay for it at that batch at its updated acceptance: then it backs off again."""
     if k_hat <= 1:
         return
-    if req.probe and node is not None and accepted >= (k_hat - 1) * cfg.consts.reset_share:
-        node.skip, node.backoff = 0, 1
     req.recent.append(RoundOutcome(k_hat, accepted))
     del req.recent[: -cfg.consts.recent_rounds]
-    if accepted >= (k_hat - 1) * cfg.consts.reset_share:
-        req.backoff, req.probe = 1, False
-    elif req.probe:  # a probe that kept too little: back off again, longer
-        back_off(req, cfg)
     if req.p_est is not None and cfg.breakeven:
-        acc = sum(r.accepted for r in req.recent)
-        rej = sum(1 for r in req.recent if r.accepted < r.k_hat - 1)
-        if acc + rej:
-            w = cfg.consts.own_weight
-            req.p_est = min(cfg.consts.p_max, (1.0 - w) * req.p_est + w * acc / (acc + rej))
+        req.p_est = min(cfg.consts.p_max, _blend(req.p_est, req.recent, cfg))
+    kept = accepted >= (k_hat - 1) * cfg.consts.reset_share
+    if kept and req.probe and batch > 1 and cost is not None and cfg.breakeven and req.p_est is not None:
+        kept = best_length(cost, req.p_est, cfg.block_size, batch)[1] >= 1.0
+    if req.probe and node is not None and kept:
+        node.skip, node.backoff = 0, 1
+    if kept:
+        req.backoff, req.probe = 1, False
+    elif req.probe:  # a probe that kept too little (or whose text still would not pay): back off longer
+        back_off(req, cfg)
 
 
 def calibrate(node: NodeState, rounds: Sequence[tuple[int, float, int]], cfg: PolicyConfig) -> None:
@@ -465,7 +465,7 @@ def simulate(a_hats: Sequence[float], accepted_full: Sequence[int], n_tokens: in
             k = lengths[0]
         acc = min(int(accepted_full[pos]), k - 1)
         calibrate(node, [(k, a_hat, acc)], cfg)
-        observe(req, k, acc, cfg, node)
+        observe(req, k, acc, cfg, node, cost, batch)
         out.append(SimRound(pos, k, acc, a_hat if k > 1 else 0.0))
         pos += acc + 1
     return out

@@ -226,6 +226,6 @@ class SpecStep:
                             torch.tensor([s.params.top_p for s in seqs]), uniforms=u)
         return r.accepted.tolist(), r.bonus.tolist()
 
-    def record_round(self, seq: Sequence, k_hat: int, accepted: int, a_hat: float) -> None:
+    def record_round(self, seq: Sequence, k_hat: int, accepted: int, a_hat: float, batch: int = 1) -> None:
         seq.rounds.append(Round(k_hat=k_hat, accepted=accepted, a_hat=a_hat))
-        sp.observe(seq.policy, k_hat, accepted, self.policy, self.node)
+        sp.observe(seq.policy, k_hat, accepted, self.policy, self.node, self.cost, batch)

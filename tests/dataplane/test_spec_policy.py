@@ -117,6 +117,24 @@ def test_breakeven_backs_off_then_probes_with_a_short_block():
     assert sp.reserve([req], [8], [True], cfg, node, cost) == [8]
 
 
+def test_a_kept_probe_ends_the_back_off_only_where_drafting_then_pays_at_this_batch():
+    """At C=16 on a CPU whose extra verify rows are bound by arithmetic, a probe that kept its
+    one draft does not show that drafting pays: the request backs off longer and the node
+    stays backed off. At C=1, where verify rows are cheap, the same probe ends both."""
+    cfg = sp.PolicyConfig(block_size=16)
+    busy = _linear(base=0.0, per_request=0.004, per_token=0.0, draft=0.004)
+    busy.set_point(16, 16, 0.064)
+    busy.set_point(16, 32, 0.128)  # every extra row costs a request's whole share
+    quiet = _curve({1: 0.012, 2: 0.0121, 16: 0.014}, draft=0.001)
+    for cost, batch, ends in ((busy, 16, False), (quiet, 1, True), (None, 16, True)):
+        node = sp.NodeState(backoff=8)
+        r = sp.RequestState(probe=True, backoff=4, p_est=0.35)
+        sp.observe(r, 2, 1, cfg, node, cost, batch)  # the probe's draft was kept
+        assert (node.backoff == 1) is ends and r.probe is not ends
+        if not ends:
+            assert (r.skip, r.backoff, node.backoff) == (4, 8, 8)
+
+
 def test_failed_probes_double_the_back_off_up_to_its_ceiling():
     cfg = sp.PolicyConfig(block_size=8)
     cost = _curve({t: 0.01 * t for t in range(1, 9)}, draft=0.005)
