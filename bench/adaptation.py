@@ -32,7 +32,10 @@ held-out split of ``promptsets``, never streamed):
 
 At the end the real engine serves the held-out prompts at concurrency 1 in modes ``ar``
 and ``adaptive`` with the frozen drafter and each method's final drafter, so the speedup
-over ``ar`` is measured, not modelled. Writes result.json and plot.png (a curve like
+over ``ar`` is measured, not modelled. The step-time curve and the engine run at the
+precision nodes serve (``dataplane.runner.load_target``: bfloat16 where the CPU multiplies
+it natively), each final drafter loaded from its bundle as a node loads it; training, the
+target's answers and the tau scoring use the learner's float32 target. Writes result.json and plot.png (a curve like
 PAPER.md's Figure 2(a)).
 """
 
@@ -256,7 +259,7 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         drafter_dir: str | None = None, learner_overrides: dict | None = None) -> dict:
     from dataplane.drafter_io import load_bundle, save_bundle
     from dataplane.node import STARTER_DIR
-    from dataplane.runner import load_training_target
+    from dataplane.runner import load_target, load_training_target
     from dataplane.spec_policy import PolicyConfig
     from dataplane.target_cache import target_identity
     from dataplane.tokenizer import Tokenizer
@@ -292,7 +295,11 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         bar.update()
         held_sups = supervise_trajectories(sup, held, tok, identity, nd.base)
         bar.update()
-    cost = measure_cost(target, starter, held[0].prompt_ids + held[0].output_ids[:8], starter.config.block_size)
+    # Step costs and the engine's tokens/s at the precision nodes serve (the learner trains in float32).
+    served = load_target(settings, tdir)
+    served.warm_up()
+    cost = measure_cost(served, load_bundle(bundle, served, identity)[0],
+                        held[0].prompt_ids + held[0].output_ids[:8], starter.config.block_size)
 
     frozen = score(starter, held_sups, cost, policy)
     curves: dict[str, list[dict]] = {"frozen": [{"update": 0, "records": 0, **frozen}]}
@@ -322,7 +329,9 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         curves["frozen"].append({"update": u, "records": u * records_per_round, **frozen})
 
     tps_set = held[:tps_prompts]
-    real = _engine_c1(target, tok, finals, tps_set, tps_max_tokens)
+    served_drafters = {name: load_bundle(bundle if name == "frozen" else out / "drafters" / name, served, identity)[0]
+                       for name in finals}
+    real = _engine_c1(served, tok, served_drafters, tps_set, tps_max_tokens)
     summary = _summary(curves, frozen, real)
     result = {
         "bench": "adaptation", "domain": domain, "domain_description": nd.description, "rounds": rounds,
@@ -331,6 +340,7 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         "drafter": str(bundle), "learner": {k: getattr(lc, k) for k in ("alpha", "delta", "lr_drafter", "lr_head",
                                                                        "epochs", "grad_accum", "anchors_per_record",
                                                                        "head_label", "head_loss")},
+        "served_precision": str(served.lm_head.weight.dtype).removeprefix("torch."),
         "step_cost_c1": {"verify_s": [round(x, 5) for x in cost.verify_s], "draft_s": round(cost.draft_s, 5)},
         "engine_c1": {"prompts": len(tps_set), "max_tokens": tps_max_tokens, "ar": real["ar"]},
         "train_seconds": train_s, "summary": summary, "curves": curves,

@@ -79,6 +79,11 @@ def test_bench_cli_writes_result_and_plot(target_dir, drafter_dir, tmp_path, mon
     assert all(r["summary"][m]["engine_c1"]["identical_to_ar"] for m in ("frozen", "osd", "rkl", "opd"))
     assert (out / "plot.png").stat().st_size > 10_000
     assert r["eval_prompts"] == 2
+    from adaflash.config import Settings
+    from dataplane.runner import serving_precision
+
+    # the engine and the step costs run at the precision nodes serve here, not the learner's float32
+    assert r["served_precision"] == serving_precision(Settings()).torch_dtype.__str__().removeprefix("torch.")
 
 
 def test_narrow_domains_stream_training_prompts_and_score_on_the_heldout_split():
