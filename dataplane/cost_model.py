@@ -24,6 +24,7 @@ The policy built on this curve (which lengths pay) lives in ``dataplane.spec_pol
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 
 import numpy as np
@@ -33,6 +34,20 @@ from adaflash.contracts.cost_curve import MAX_COST_POINTS, CostCurve, CostPoint,
 MIN_POINT_COUNT = 2  # a table entry is used once it averaged this many steps (the first is warm-up prone)
 POINT_EMA = 0.2  # weight of a new step in its entry, after the first 1/POINT_EMA steps (plain mean before)
 DRAFT_EMA = 0.1
+
+
+def _piecewise(pts: list[tuple[int, float]], x: int, slope: float) -> float:
+    """Linear interpolation in sorted (x, seconds) points; outside them the nearest point is
+    extended with ``slope`` (never below a microsecond)."""
+    i = bisect.bisect_left(pts, (x, -math.inf))
+    if i < len(pts) and pts[i][0] == x:
+        return pts[i][1]
+    if i == 0:
+        return max(1e-6, pts[0][1] - slope * (pts[0][0] - x))
+    if i == len(pts):
+        return pts[-1][1] + slope * (x - pts[-1][0])
+    (x0, s0), (x1, s1) = pts[i - 1], pts[i]
+    return s0 + (s1 - s0) * (x - x0) / (x1 - x0)
 
 
 class CostModel:
@@ -45,6 +60,7 @@ class CostModel:
         self.table: dict[tuple[int, int], tuple[float, int]] = {}  # (batch, tokens) -> (seconds, count)
         self._rows: dict[int, list[tuple[int, float]]] | None = None  # batch -> sorted (tokens, seconds)
         self.products: list[tuple[int, float]] = []  # (rows, seconds) of the weight products alone, rising
+        self._plain: dict[int, tuple[float, float]] = {}  # batch -> (plain step, its rows' products), per table
 
     def set_products(self, points) -> None:
         """The target's weight products timed per row count ((rows, seconds) pairs): the
@@ -53,26 +69,21 @@ class CostModel:
         for r, sec in sorted((int(r), float(sec)) for r, sec in points):
             out.append((r, max(sec, out[-1][1]) if out else sec))
         self.products = out
+        self._changed()
 
     def products_time(self, rows: int) -> float:
         """Seconds of the weight products for ``rows`` rows, interpolated in ``products``
-        (beyond the last point, along its last segment's slope)."""
+        (beyond them, along the last segment's slope)."""
         pts = self.products
         if not pts:
             return 0.0
-        rs = [r for r, _ in pts]
-        i = bisect.bisect_left(rs, rows)
-        if i < len(pts) and rs[i] == rows:
-            return pts[i][1]
-        if i == 0:
-            return pts[0][1]
-        if i == len(pts):
-            if len(pts) == 1:
-                return pts[-1][1]
-            (r0, s0), (r1, s1) = pts[-2], pts[-1]
-            return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
-        (r0, s0), (r1, s1) = pts[i - 1], pts[i]
-        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        slope = (pts[-1][1] - pts[-2][1]) / (pts[-1][0] - pts[-2][0]) if len(pts) > 1 else 0.0
+        return _piecewise(pts, rows, slope)
+
+    def _changed(self) -> None:
+        """The table, the fit or the products changed: answers cached from them are stale."""
+        self._rows = None
+        self._plain.clear()
 
     # -- measuring --
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
@@ -87,7 +98,7 @@ class CostModel:
             s, n = old
             w = max(POINT_EMA, 1.0 / (n + 1))
             self.table[key] = ((1.0 - w) * s + w * seconds, n + 1)
-        self._rows = None
+        self._changed()
         if len(self.obs) >= 8 and len(self.obs) % 4 == 0:
             self._fit()
 
@@ -98,7 +109,7 @@ class CostModel:
     def set_point(self, batch: int, tokens: int, seconds: float, count: int = MIN_POINT_COUNT) -> None:
         """Put a measured point in the table directly (benchmarks that time steps themselves)."""
         self.table[(batch, tokens)] = (seconds, count)
-        self._rows = None
+        self._changed()
 
     def _fit(self) -> None:
         a = np.array([[1.0, b, t] for b, t, _ in self.obs])
@@ -107,6 +118,7 @@ class CostModel:
         lam = 1e-3
         coef = np.linalg.solve(a.T @ a + lam * np.eye(3), a.T @ y + lam * self.prior)
         self.coef = np.maximum(coef, 1e-5)
+        self._changed()
 
     # -- answering --
     @property
@@ -127,25 +139,17 @@ class CostModel:
         return self._rows
 
     def _along_tokens(self, row: list[tuple[int, float]], tokens: int) -> float:
-        toks = [t for t, _ in row]
-        i = bisect.bisect_left(toks, tokens)
-        if i < len(row) and toks[i] == tokens:
-            return row[i][1]
-        per_tok = float(self.coef[2])
-        if i == 0:
-            return max(1e-6, row[0][1] - per_tok * (row[0][0] - tokens))
-        if i == len(row):
-            return row[-1][1] + per_tok * (tokens - row[-1][0])
-        (t0, s0), (t1, s1) = row[i - 1], row[i]
-        return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        return _piecewise(row, tokens, float(self.coef[2]))
 
     def step_time(self, batch: int, tokens: int) -> float:
         """Seconds of one verify pass over ``batch`` requests and ``tokens`` tokens: the measured
         curve, and where tokens > batch never less than the plain step plus the extra rows' products."""
         t = self._measured_time(batch, tokens)
         if self.products and tokens > batch:
-            extra = self.products_time(tokens) - self.products_time(batch)
-            t = max(t, self._measured_time(batch, batch) + extra)
+            plain = self._plain.get(batch)
+            if plain is None:
+                plain = self._plain[batch] = (self._measured_time(batch, batch), self.products_time(batch))
+            t = max(t, plain[0] + self.products_time(tokens) - plain[1])
         return t
 
     def _measured_time(self, batch: int, tokens: int) -> float:
