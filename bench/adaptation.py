@@ -35,8 +35,8 @@ and ``adaptive`` with the frozen drafter and each method's final drafter, so the
 over ``ar`` is measured, not modelled. The step-time curve and the engine run at the
 precision nodes serve (``dataplane.runner.load_target``: bfloat16 where the CPU multiplies
 it natively), each final drafter loaded from its bundle as a node loads it; training, the
-target's answers and the tau scoring use the learner's float32 target. Writes result.json and plot.png (a curve like
-PAPER.md's Figure 2(a)).
+target's answers and the tau scoring use the learner's float32 target. Writes result.json
+and plot.png (a curve like PAPER.md's Figure 2(a)).
 """
 
 from __future__ import annotations
@@ -298,8 +298,8 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
     # Step costs and the engine's tokens/s at the precision nodes serve (the learner trains in float32).
     served = load_target(settings, tdir)
     served.warm_up()
-    cost = measure_cost(served, load_bundle(bundle, served, identity)[0],
-                        held[0].prompt_ids + held[0].output_ids[:8], starter.config.block_size)
+    served_starter = load_bundle(bundle, served, identity)[0]
+    cost = measure_cost(served, served_starter, held[0].prompt_ids + held[0].output_ids[:8], starter.config.block_size)
 
     frozen = score(starter, held_sups, cost, policy)
     curves: dict[str, list[dict]] = {"frozen": [{"update": 0, "records": 0, **frozen}]}
@@ -329,8 +329,8 @@ def run(settings: Settings, domain: str, rounds: int, out: Path, records_per_rou
         curves["frozen"].append({"update": u, "records": u * records_per_round, **frozen})
 
     tps_set = held[:tps_prompts]
-    served_drafters = {name: load_bundle(bundle if name == "frozen" else out / "drafters" / name, served, identity)[0]
-                       for name in finals}
+    served_drafters = {name: served_starter if name == "frozen" else load_bundle(out / "drafters" / name, served,
+                                                                                  identity)[0] for name in finals}
     real = _engine_c1(served, tok, served_drafters, tps_set, tps_max_tokens)
     summary = _summary(curves, frozen, real)
     result = {
