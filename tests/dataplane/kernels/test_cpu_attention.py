@@ -11,6 +11,11 @@ from dataplane.kernels import cpu_attention as ca
 from dataplane.precision import cpu_flags
 
 HAS_AVX2 = "avx2" in cpu_flags()
+# The kernel is compiled with -mavx2 -mfma; on a CPU without AVX2 it never runs (``takes`` and
+# ``takes_batch`` say no and the torch reference serves: test_available_wherever_the_cpu_has_avx2 and
+# test_not_causal_sees_every_new_key run there), so there is nothing of it to test there. Every machine
+# here has AVX2, so these tests run in CI.
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
 
 
 def _case(n, start, heads, kvh, d, dtype, seed, cap=None):
@@ -26,7 +31,7 @@ def test_available_wherever_the_cpu_has_avx2():
     assert ca.available() == HAS_AVX2
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@needs_avx2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "start"), [(1, 0), (1, 128), (2, 9), (16, 128), (17, 3), (64, 300)])
 @pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 16), (4, 2, 24)])
@@ -45,7 +50,7 @@ def test_equals_the_reference(dtype, n, start, heads, kvh, d):
         assert (got != want).float().mean() < 2e-2
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@needs_avx2
 @pytest.mark.parametrize("sharpness", [8.0, 60.0])
 def test_a_peaked_softmax_equals_the_reference(sharpness):
     """Scores far apart: most shifted scores fall below exp's underflow (-87.3) in the vector
@@ -57,7 +62,7 @@ def test_a_peaked_softmax_equals_the_reference(sharpness):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@needs_avx2
 def test_a_tokens_row_does_not_depend_on_how_many_came_with_it():
     """Decode one token, or verify it with fifteen more: its row is bitwise the same."""
     q, k, v, cache = _case(16, 40, 9, 3, 64, torch.bfloat16, seed=7)
@@ -85,7 +90,7 @@ def test_shapes_it_does_not_take():
     assert not ca.takes(q6, k6, v6, c6)  # a head size the vector loop does not take
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@needs_avx2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_serving_forward_matches_the_reference_forward(tiny_dir, dtype, monkeypatch):
     """A lone request's prompt, decode and verify through the fused forward (the kernel) and
@@ -121,9 +126,7 @@ def _stream(bounds, heads, kvh, d, dtype, seed, layers=3):
     return q, k, v, data
 
 
-# The batched kernel is compiled with -mavx2 -mfma; a CPU without AVX2 never runs it (takes_batch says
-# no and the padded-group path serves), so there is nothing of it to test there. Every machine here has AVX2.
-@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@needs_avx2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bounds", [
     [(0, 1, 40), (1, 2, 7), (2, 3, 130), (3, 4, 0)],  # a decode step of four requests
@@ -164,9 +167,7 @@ def test_streams_the_batched_kernel_does_not_take():
                               short)  # not contiguous
 
 
-# The batched kernel is compiled with -mavx2 -mfma; a CPU without AVX2 never runs it (takes_batch says
-# no and the padded-group path serves), so there is nothing of it to test there. Every machine here has AVX2.
-@pytest.mark.skipif(not HAS_AVX2, reason="the kernel is built for AVX2 CPUs; elsewhere the reference serves")
+@needs_avx2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_through_the_serving_forward_matches_the_reference_forward(tiny_dir, dtype, monkeypatch):
     """Three requests decoded and verified together through the fused forward (one batched
