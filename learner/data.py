@@ -8,7 +8,13 @@ Two kinds of sequences, both from the training split of ``promptsets`` only:
   tokens/s on one core.
 - ``regen`` (on-policy): the target's own greedy answers to training prompts, generated
   with our engine (mode ``ar``, batched), then prefilled like ``tf``. Slower (about 50
-  tokens/s on one core) but it is the distribution speculation sees at serving time.
+  tokens/s on one core in float32, 400 on two cores of an AMX Xeon in bfloat16) but it is
+  the distribution speculation sees at serving time.
+- ``sample``: the target's sampled answers (temperature ``SAMPLE_TEMPERATURE``, a seed per
+  answer) to the same training prompts, cycling over them ``passes`` times with new
+  seeds: more on-policy text where prompts are few (HumanEval has 120 training tasks).
+  Labelled with the target's top-1 like ``tf``, and trained like it: a block position
+  counts only while the text agrees with the target's greedy choice.
 
 Each shard stores, per token of a packed run of sequences: the token ids, the target's
 top-1 next-token label and the hidden states of ``layers`` (float16), plus ``cu`` (sequence
@@ -36,7 +42,8 @@ from safetensors.torch import save_file
 
 import promptsets as ds
 
-KINDS = ("regen", "tf")
+KINDS = ("regen", "tf", "sample")
+SAMPLE_TEMPERATURE = 0.8
 # Hidden states kept on disk: the drafter's default layers (1, 10, 18, 27 for 30 layers)
 # plus the last layer, so drafters reading any subset can train on the same shards.
 def store_layers(num_layers: int) -> tuple[int, ...]:
@@ -47,12 +54,13 @@ def store_layers(num_layers: int) -> tuple[int, ...]:
 
 @dataclass
 class StreamSpec:
-    kind: str  # regen | tf
+    kind: str  # regen | tf | sample
     domain: str
     shard_size: int  # sequences per shard
     max_len: int  # tokens per sequence (prompt + answer), longer ones are cut
-    max_new_tokens: int = 256  # regen only
-    max_prompt_tokens: int = 320  # regen only: longer prompts are skipped
+    max_new_tokens: int = 256  # regen and sample
+    max_prompt_tokens: int = 320  # regen and sample: longer prompts are skipped
+    passes: int = 1  # sample: times over the domain's training prompts, each with new seeds
 
     @property
     def name(self) -> str:
@@ -66,6 +74,7 @@ DEFAULT_STREAMS = (
     StreamSpec("regen", "chat", 48, 576, max_new_tokens=224),
     StreamSpec("tf", "code", 40, 512),
     StreamSpec("tf", "math", 64, 384),
+    StreamSpec("sample", "code", 40, 640, max_new_tokens=256, passes=8),
 )
 
 
@@ -134,8 +143,10 @@ def write_shard(path: Path, seqs: list[list[int]], resp_start: list[int], labels
 # --------------------------------------------------------------------------- generation
 
 
-def generate(target, tok, prompts: list[str], max_new_tokens: int, max_running: int = 48) -> list[list[int]]:
-    """Greedy answers of the target to ``prompts`` with the engine (mode ar, batched)."""
+def generate(target, tok, prompts: list[str], max_new_tokens: int, max_running: int = 48,
+             temperature: float = 0.0, seeds: list[int] | None = None) -> list[list[int]]:
+    """The target's answers to ``prompts`` with the engine (mode ar, batched): greedy, or
+    sampled at ``temperature`` with one seed per prompt."""
     from adaflash.config import DataplaneConfig
     from dataplane.engine import Engine
     from dataplane.sequence import SamplingParams, Sequence
@@ -144,7 +155,9 @@ def generate(target, tok, prompts: list[str], max_new_tokens: int, max_running: 
                  drafter=None, eos_token_ids=[tok.eos_token_id, *target.args.eos_token_ids])
     seqs = []
     for i, p in enumerate(prompts):
-        s = Sequence(f"gen-{i}", tok.encode(chat_prefix(tok, p)), params=SamplingParams(max_tokens=max_new_tokens))
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                                seed=seeds[i] if seeds is not None else None)
+        s = Sequence(f"gen-{i}", tok.encode(chat_prefix(tok, p)), params=params)
         seqs.append(s)
         eng.add(s)
     eng.run_until_idle()
@@ -155,18 +168,39 @@ def generate(target, tok, prompts: list[str], max_new_tokens: int, max_running: 
 
 
 def _items(spec: StreamSpec, i: int) -> list[dict]:
-    """Shard ``i``'s training items; chat stops at ``OFFLINE_CHAT_END`` (the narrow domains' streams
-    start there, promptsets/narrow.py)."""
-    from promptsets.narrow import OFFLINE_CHAT_END, file_index
+    """Shard ``i``'s training items; chat keeps to what the narrow domains' streams never take
+    (promptsets/narrow.py ``offline_chat``)."""
+    from promptsets.narrow import offline_chat
 
+    if spec.kind == "sample":
+        return _sample_items(spec, i)
     off = i * spec.shard_size
     if spec.kind == "tf":
         items = ds.train_texts(spec.domain, spec.shard_size, offset=off)
     else:
         items = ds.train_prompts(spec.domain, spec.shard_size, offset=off)
     if spec.domain == "chat":
-        items = [it for it in items if file_index(it) < OFFLINE_CHAT_END]
+        items = [it for it in items if offline_chat(it)]
     return items
+
+
+def _sample_items(spec: StreamSpec, i: int) -> list[dict]:
+    """Shard ``i`` of a ``sample`` stream: a window of the domain's training prompts, in pass
+    ``i // shards_per_pass``; each item carries its own seed (``zlib.crc32`` of id and pass)."""
+    import zlib
+
+    from promptsets.narrow import offline_chat
+
+    prompts = ds.train_prompts(spec.domain)
+    if spec.domain == "chat":
+        prompts = [it for it in prompts if offline_chat(it)]
+    per_pass = -(-len(prompts) // spec.shard_size)
+    if not per_pass or i >= per_pass * spec.passes:
+        return []
+    pass_, j = divmod(i, per_pass)
+    window = prompts[j * spec.shard_size:(j + 1) * spec.shard_size]
+    return [{**it, "id": f"{it['id']}#{pass_}", "seed": zlib.crc32(f"{it['id']}#{pass_}".encode())}
+            for it in window]
 
 
 def build_shard(target, tok, spec: StreamSpec, i: int, root: Path, layers: tuple[int, ...]) -> dict | None:
@@ -195,7 +229,10 @@ def build_shard(target, tok, spec: StreamSpec, i: int, root: Path, layers: tuple
             rows = ds.read_jsonl(str(gen_path))
         else:
             keep = [it for it in items if len(tok.encode(chat_prefix(tok, it["prompt"]))) <= spec.max_prompt_tokens]
-            outs = generate(target, tok, [it["prompt"] for it in keep], spec.max_new_tokens)
+            sampled = spec.kind == "sample"
+            outs = generate(target, tok, [it["prompt"] for it in keep], spec.max_new_tokens,
+                            temperature=SAMPLE_TEMPERATURE if sampled else 0.0,
+                            seeds=[it["seed"] for it in keep] if sampled else None)
             rows = [{"id": it["id"], "prompt": it["prompt"], "output_ids": o} for it, o in zip(keep, outs, strict=True)]
             ds.write_jsonl(rows, str(gen_path))
         for r in rows:
@@ -210,6 +247,7 @@ def build_shard(target, tok, spec: StreamSpec, i: int, root: Path, layers: tuple
     labels, hidden = label_sequences(target, seqs, layers)
     n_tok = sum(len(s) for s in seqs)
     meta = {"kind": spec.kind, "domain": spec.domain, "index": i, "ids": ids, "layers": list(layers),
+            "precision": str(target.lm_head.weight.dtype).removeprefix("torch."),
             "n_seqs": len(seqs), "n_tokens": n_tok, "n_answer_tokens": sum(len(s) - p for s, p in zip(seqs, starts, strict=True)),
             "generated_tokens": gen_tokens, "seconds": round(time.time() - t0, 1)}
     write_shard(path, seqs, starts, labels, hidden, meta)
@@ -301,6 +339,21 @@ def summary(root: Path) -> dict:
     return out
 
 
+def labelling_target(settings, precision: str = "served"):
+    """(target directory, target) that answers and labels training data. ``served``: the nodes'
+    precision (their greedy answers and hidden states are what the drafter meets when it
+    serves; bfloat16 also runs about 2.4x faster here); ``training``: the learner's float32."""
+    from dataplane.runner import load_target, load_training_target
+    from dataplane.target_cache import ensure_target
+
+    if precision != "served":
+        return load_training_target(settings, cpu_settings=False)
+    d = ensure_target(settings)
+    target = load_target(settings, d)
+    target.warm_up()
+    return d, target
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -309,14 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; 0 = no limit")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--streams", default="", help="comma list like regen-math,tf-chat (default: all)")
+    ap.add_argument("--precision", choices=("served", "training"), default="served",
+                    help="the target that answers and labels: as nodes serve it (default; bfloat16 where "
+                         "the machine pays for it) or the learner's float32")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from adaflash.config import load_config
-    from dataplane.runner import load_training_target
     from dataplane.tokenizer import Tokenizer
 
     settings = load_config()
-    d, target = load_training_target(settings, cpu_settings=False)
+    d, target = labelling_target(settings, a.precision)
     tok = Tokenizer(d)
     streams = [s for s in DEFAULT_STREAMS if not a.streams or s.name in a.streams.split(",")]
     root = data_root(settings.cache, settings.model.target_id)

@@ -43,7 +43,7 @@ TrainConfig = OfflineConfig
 # Settings that may change when a run is resumed (steps: the schedule is recomputed).
 # The data mix may change too (a curriculum); every start is logged with its config and
 # listed in the manifest's ``phases``.
-RUN_CONTROL = {"steps", "time_budget_s", "threads", "eval_every", "eval_prompts", "eval_max_tokens", "val_every",
+RUN_CONTROL = {"steps", "time_budget_s", "threads", "matmul_precision", "eval_every", "eval_prompts", "eval_max_tokens", "val_every",
                "ckpt_every", "rescan_every", "streams", "domain_weights", "kinds", "domains"}
 
 
@@ -179,7 +179,7 @@ def make_targets(ex: D.Example, anchors: torch.Tensor, k: int, vocab_index: torc
     valid = (idx >= anchors.unsqueeze(1)) & (idx <= L - 1)
     idx_c = idx.clamp(0, L - 1)
     lab = ex.labels[idx_c]
-    if consistent and ex.kind == "tf":
+    if consistent and ex.kind in ("tf", "sample"):
         # real token at a+j equals target top-1 after a+j-1 for all 1 <= j < i
         tok_next = ex.tokens[(idx_c + 1).clamp(max=L - 1)]
         agree = (tok_next == lab) | ~valid
@@ -352,12 +352,26 @@ def _optimizer(drafter, cfg: TrainConfig):
     return opt, body
 
 
-def _train_step(drafter, opt, body, pool: Pool, cfg: TrainConfig, rng: random.Random, w, vocab_index, step: int):
-    """One optimiser step; returns (loss, head loss, stats, examples)."""
+def matmul_dtype(cfg: TrainConfig, settings=None) -> torch.dtype:
+    """The training products' precision: ``cfg.matmul_precision``, auto resolved to what nodes
+    on this machine serve (the measured choice, ``dataplane.precision``)."""
+    if cfg.matmul_precision == "auto":
+        from adaflash.config import Settings
+        from dataplane.runner import serving_precision
+
+        served = serving_precision(settings or Settings(), "cpu").torch_dtype
+        return torch.bfloat16 if served == torch.bfloat16 else torch.float32
+    return torch.bfloat16 if cfg.matmul_precision == "bfloat16" else torch.float32
+
+
+def _train_step(drafter, opt, body, pool: Pool, cfg: TrainConfig, rng: random.Random, w, vocab_index, step: int,
+                dtype: torch.dtype = torch.float32):
+    """One optimiser step (products in ``dtype``); returns (loss, head loss, stats, examples)."""
     for g, base in zip(opt.param_groups, (cfg.lr, cfg.head_lr), strict=True):
         g["lr"] = base * lr_at(step, cfg)
     exs = pool.sample(rng, cfg.seqs_per_step)
-    loss, head_loss, st = block_losses(drafter, exs, cfg, rng, w, vocab_index)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        loss, head_loss, st = block_losses(drafter, exs, cfg, rng, w, vocab_index)
     opt.zero_grad(set_to_none=True)
     (loss + head_loss).backward()
     torch.nn.utils.clip_grad_norm_(body, 1.0)
@@ -366,7 +380,8 @@ def _train_step(drafter, opt, body, pool: Pool, cfg: TrainConfig, rng: random.Ra
 
 
 def _training_record(cfg: TrainConfig, out: Path, data_root: Path, pool: Pool, step: int, stopped: str,
-                     seen_tokens: int, compute_s: float, cpu_s: float, val: dict, res: dict | None) -> dict:
+                     seen_tokens: int, compute_s: float, cpu_s: float, val: dict, res: dict | None,
+                     dtype: torch.dtype = torch.float32) -> dict:
     """What the bundle's manifest and result.json say about this run."""
     return {
         "seed": cfg.seed, "config": cfg.model_dump(), "steps": step, "stopped": stopped,
@@ -382,7 +397,7 @@ def _training_record(cfg: TrainConfig, out: Path, data_root: Path, pool: Pool, s
                  "available_at_end": D.summary(data_root)},
         "block_tokens_seen": seen_tokens, "blocks_seen": step * cfg.seqs_per_step * cfg.anchors_per_seq,
         "compute": {"train_wall_seconds": round(compute_s, 1), "train_cpu_seconds": round(cpu_s, 1),
-                    "threads": cfg.threads, "device": "cpu",
+                    "threads": cfg.threads, "device": "cpu", "matmul_precision": str(dtype).removeprefix("torch."),
                     "data_prep_wall_seconds_of_trained_shards": round(pool.prep_seconds, 1)},
         "val": val, "heldout_tau": res,
     }
@@ -392,6 +407,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
           target_identity: dict | None = None) -> dict:
     from tqdm import tqdm
 
+    dtype = matmul_dtype(cfg)  # before the threads: the precision probe applies the node's settings
     torch.set_num_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -447,7 +463,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
                 log({"type": "data", "step": step, "pool_tokens": pool.tokens,
                      "seqs": {d: len(v) for d, v in pool.train.items()}})
         t0, c0 = time.time(), time.process_time()
-        loss, head_loss, st, exs = _train_step(drafter, opt, body, pool, cfg, rng, w, vocab_index, step)
+        loss, head_loss, st, exs = _train_step(drafter, opt, body, pool, cfg, rng, w, vocab_index, step, dtype)
         step += 1
         compute_s += time.time() - t0
         cpu_s += time.process_time() - c0
@@ -455,7 +471,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
         lv = float(loss.detach())
         ema = lv if ema is None else 0.98 * ema + 0.02 * lv
         if step % 10 == 0:
-            log({"type": "train", "step": step, "loss": lv, "head_mse": float(head_loss),
+            log({"type": "train", "step": step, "loss": lv, "head_mse": float(head_loss.detach()),
                  "lr": opt.param_groups[0]["lr"], **st, "compute_s": round(compute_s, 1)})
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", acc1=f"{st['acc1']:.2f}", **last_tau)
@@ -475,7 +491,7 @@ def train(target, tok, target_dir: Path, data_root: Path, out: Path, cfg: TrainC
     log({"type": "val", "step": step, "val": val})
     res = run_eval() if cfg.eval_prompts else None
     plot(out)
-    training = _training_record(cfg, out, data_root, pool, step, stopped, seen_tokens, compute_s, cpu_s, val, res)
+    training = _training_record(cfg, out, data_root, pool, step, stopped, seen_tokens, compute_s, cpu_s, val, res, dtype)
     bundle = out / "bundle"
     from dataplane.drafter_io import save_bundle
     from dataplane.target_cache import target_identity as tid

@@ -45,6 +45,7 @@ _FLAGS = (
     ("--val-every", int, "steps between validations and checkpoints"),
     ("--rescan-every", int, "steps between looks for new data shards"), ("--eval-every", int, None),
     ("--eval-prompts", int, None), ("--eval-max-tokens", int, None), ("--threads", int, None),
+    ("--matmul-precision", str, "float32 | bfloat16 | auto (bfloat16 where nodes serve it)"),
 )
 _SETTING = {"time_budget": "time_budget_s", "draft_vocab": "draft_vocab_size", "anchors": "anchors_per_seq"}
 

@@ -3,8 +3,9 @@
 Each has a stream (training-split prompts that the offline drafter data never uses) and a
 held-out set of the same distribution (the held-out split of ``promptsets``, never streamed
 nor trained on). Offline data (``learner.data``) takes chat items from the start of the
-ShareGPT file, never beyond index ``OFFLINE_CHAT_END``; the ShareGPT-based streams start
-there.
+ShareGPT file: any topic below ``OFFLINE_CHAT_END``, beyond it only those no narrow domain is about
+(``offline_chat``). The ShareGPT-based streams start at
+``OFFLINE_CHAT_END`` and take only their topic, so the two never share a conversation.
 
 - ``math``, ``support-desk``, ``python-desk``: the adaptation benchmark's domains;
 - ``web-desk``: the demo's tenants (front-end JavaScript and TypeScript questions), which
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import promptsets as ds
 
-OFFLINE_CHAT_END = 2000  # ShareGPT file index: offline drafter data stays below, narrow streams at or above
+OFFLINE_CHAT_END = 2000  # ShareGPT file index: offline data of any topic stays below, narrow streams at or above
 MAX_PROMPT_CHARS = 600
 
 
@@ -50,6 +51,15 @@ def file_index(row: dict) -> int:
     return int(row["id"].rsplit("/", 1)[-1])
 
 
+def offline_chat(row: dict) -> bool:
+    """Whether offline drafter data may use this training-split ShareGPT row."""
+    i = file_index(row)
+    if i < OFFLINE_CHAT_END:
+        return True
+    text = row["prompt"].lower()
+    return not any(p.search(text) for p in _TOPICS)
+
+
 def _topic_chat(words: re.Pattern, heldout: bool, n: int, exclude: re.Pattern | None = None) -> list[dict]:
     """Short ShareGPT prompts about a topic: the held-out split, or the training split from
     ``OFFLINE_CHAT_END`` on."""
@@ -62,6 +72,7 @@ def _topic_chat(words: re.Pattern, heldout: bool, n: int, exclude: re.Pattern | 
 
 _PY = re.compile(r"python|pandas|numpy|django|flask")
 _WEB = re.compile(r"\b(javascript|typescript|react|next\.js|node\.js|html|css|jquery|vue|angular)\b")
+_TOPICS = (_PY, _WEB)  # the ShareGPT-based narrow domains' topics
 
 NARROW_DOMAINS: dict[str, NarrowDomain] = {
     "math": NarrowDomain("math", "math", "grade-school word problems of one tutoring tenant (synthetic "

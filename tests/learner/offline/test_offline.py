@@ -182,13 +182,64 @@ def test_cli_budget_in_hours_and_resume_needs_a_checkpoint(tmp_path, capsys):
     assert cfg.time_budget_s == 5400.0 and cfg.init_bundle == "dataplane/starter"
 
 
-def test_offline_chat_data_stops_where_the_narrow_streams_start():
-    from promptsets.narrow import NARROW_DOMAINS, OFFLINE_CHAT_END
+def test_offline_chat_data_never_takes_what_the_narrow_streams_take():
+    from promptsets.narrow import NARROW_DOMAINS, OFFLINE_CHAT_END, offline_chat
 
     spec = D.StreamSpec("tf", "chat", 48, 512)
-    index = [int(it["id"].rsplit("/", 1)[-1]) for i in range(60) for it in D._items(spec, i)]
-    assert index and max(index) < OFFLINE_CHAT_END <= max(index) + 48
-    streamed = {r["id"] for nd in NARROW_DOMAINS.values() if nd.base == "chat" for r in nd.stream(50)}
+    items = [it for i in range(60) for it in D._items(spec, i)]
+    index = [int(it["id"].rsplit("/", 1)[-1]) for it in items]
+    assert index and max(index) >= OFFLINE_CHAT_END  # past the narrow streams' start ...
+    late = [it["prompt"].lower() for it, j in zip(items, index, strict=True) if j >= OFFLINE_CHAT_END]
+    assert late and not any("python" in p or "javascript" in p for p in late)  # ... only off their topics
+    streamed = [r for nd in NARROW_DOMAINS.values() if nd.base == "chat" for r in nd.stream(50)]
+    shared = [r for r in streamed if r["id"].startswith("sharegpt/")]
+    assert shared and not any(offline_chat(r) for r in shared)
+    streamed = {r["id"] for r in streamed}
     offline = {it["id"] for i in range(60) for kind in ("tf", "regen")
                for it in D._items(D.StreamSpec(kind, "chat", 48, 512), i)}
     assert streamed and not streamed & offline
+
+
+def test_sample_streams_cycle_the_prompts_with_new_seeds(tiny_target, tok, tmp_path):
+    spec = D.StreamSpec("sample", "code", 40, 512, max_new_tokens=10, passes=2)
+    shards = [D._items(spec, i) for i in range(7)]
+    assert all(shards[:6]) and shards[6] == []  # 120 training tasks, two passes of three shards
+    first, again = shards[0], shards[3]  # the same prompts on the second pass ...
+    assert [it["prompt"] for it in first] == [it["prompt"] for it in again]
+    assert all(a["seed"] != b["seed"] for a, b in zip(first, again, strict=True))  # ... with new seeds
+    assert len({it["id"] for s in shards for it in s}) == 240
+    small = D.StreamSpec("sample", "code", 3, 4096, max_new_tokens=10, max_prompt_tokens=4096)  # byte tokens
+    meta = D.build_shard(tiny_target, tok, small, 0, tmp_path, D.store_layers(4))
+    assert meta["kind"] == "sample" and meta["precision"] == "float32"
+    greedy = D.generate(tiny_target, tok, [it["prompt"] for it in D._items(small, 0)], 10)
+    rows = [json.loads(x) for x in (tmp_path / "sample-code" / "gen-00000.jsonl").read_text().splitlines()]
+    assert [r["output_ids"] for r in rows] != greedy  # sampled, not the greedy answers
+    ex = D.load_shard(D.shard_path(tmp_path, "sample-code", 0))[0]
+    # trained like teacher-forced text: a block stops counting where the text leaves the greedy path
+    anchors = torch.tensor([ex.resp_start])
+    _, masked, _ = O.make_targets(ex, anchors, 8, None, consistent=True)
+    _, unmasked, _ = O.make_targets(ex, anchors, 8, None, consistent=False)
+    off = (ex.tokens[ex.resp_start + 1:ex.resp_start + 7] != ex.labels[ex.resp_start:ex.resp_start + 6]).any()
+    assert bool(off) == (masked.sum() < unmasked.sum())
+
+
+def test_bfloat16_products_train_and_auto_follows_the_served_precision(tiny_target, tok, tmp_path):
+    from adaflash.config import Settings
+    from dataplane.runner import serving_precision
+
+    root = tmp_path / "data"
+    _prepare(tiny_target, tok, root)
+    cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=64, head_hidden=16, steps=12,
+                        lr=3e-3, warmup=2, seqs_per_step=2, anchors_per_seq=4, val_every=0, eval_prompts=0,
+                        domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0, streams=[],
+                        domain_weights={}, matmul_precision="bfloat16")
+    ident = {"id": "tiny", "sha256": "0" * 64}
+    res = O.train(tiny_target, tok, tmp_path, root, tmp_path / "run", cfg, progress=False, target_identity=ident)
+    assert res["compute"]["matmul_precision"] == "bfloat16"
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+              if '"train"' in x]
+    assert losses and all(0 < v < 100 for v in losses)
+    served = serving_precision(Settings(), "cpu").torch_dtype
+    want = torch.bfloat16 if served == torch.bfloat16 else torch.float32
+    assert O.matmul_dtype(O.TrainConfig(matmul_precision="auto")) == want
+    assert O.matmul_dtype(O.TrainConfig()) == torch.float32
