@@ -99,36 +99,6 @@ class Pool:
         return c
 
 
-def text_token_counts(tok, n_per_domain: int = 1500) -> Counter:
-    """Token frequencies of training reference texts (tokenizer only, no target): a prior
-    for the draft vocabulary while few target-labelled shards exist."""
-    import promptsets as ds
-
-    c: Counter = Counter()
-    for dom in ds.DOMAINS:
-        for r in ds.train_texts(dom, n_per_domain):
-            c.update(tok.encode(r["response"]))
-    return c
-
-
-def frequent_vocab(pool: Pool, size: int, always: list[int], vocab_size: int, prior: Counter | None = None
-                   ) -> torch.Tensor:
-    """The ``size`` most frequent target top-1 labels in the answers (plus ``always``); label
-    counts weigh 4x, ``prior`` (reference-text token counts) 1x."""
-    size = min(size, vocab_size)
-    counts: Counter = Counter()
-    for t, n in pool.label_counts().items():
-        counts[t] += 4 * n
-    for t, n in (prior or {}).items():
-        if t < vocab_size:
-            counts[t] += n
-    ids = list(dict.fromkeys([*always, *[t for t, _ in counts.most_common(size)]]))[:size]
-    if len(ids) < size:  # little data: pad with the lowest unused ids so the size is what was asked
-        have = set(ids)
-        ids += [t for t in range(vocab_size) if t not in have][: size - len(ids)]
-    return torch.tensor(sorted(ids), dtype=torch.int64)
-
-
 # --------------------------------------------------------------------------- model
 
 
@@ -282,6 +252,8 @@ def _restore_or_init(target, tok, pool: Pool, ckpt: Path, cfg: TrainConfig):
         _continue_from(drafter, target, cfg)
     else:
         if cfg.draft_vocab_size:
+            from learner.offline_init import frequent_vocab, text_token_counts
+
             drafter.set_vocab_map(frequent_vocab(pool, cfg.draft_vocab_size, [tok.eos_token_id],
                                                  target.args.vocab_size,
                                                  text_token_counts(tok) if cfg.vocab_prior else None))
@@ -352,16 +324,16 @@ def _optimizer(drafter, cfg: TrainConfig):
     return opt, body
 
 
-def matmul_dtype(cfg: TrainConfig, settings=None) -> torch.dtype:
+def matmul_dtype(cfg: TrainConfig) -> torch.dtype:
     """The training products' precision: ``cfg.matmul_precision``, auto resolved to what nodes
     on this machine serve (the measured choice, ``dataplane.precision``)."""
-    if cfg.matmul_precision == "auto":
+    want = cfg.matmul_precision
+    if want == "auto":
         from adaflash.config import Settings
         from dataplane.runner import serving_precision
 
-        served = serving_precision(settings or Settings(), "cpu").torch_dtype
-        return torch.bfloat16 if served == torch.bfloat16 else torch.float32
-    return torch.bfloat16 if cfg.matmul_precision == "bfloat16" else torch.float32
+        want = serving_precision(Settings(), "cpu").dtype
+    return torch.bfloat16 if want == "bfloat16" else torch.float32
 
 
 def _train_step(drafter, opt, body, pool: Pool, cfg: TrainConfig, rng: random.Random, w, vocab_index, step: int,

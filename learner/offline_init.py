@@ -1,4 +1,5 @@
-"""Bigram initialisation of a DFlash drafter from target-labelled data.
+"""Initialisation of a DFlash drafter from target-labelled data: its draft vocabulary
+(``frequent_vocab``) and a bigram model in its first layer.
 
 A DFlash drafter learns slowly per token (shared/DATA.md), while a plain bigram table
 (the target's most frequent next token after the anchor token) already predicts the
@@ -111,3 +112,33 @@ def fit_bigram(drafter, target, pairs: Counter, ridge: float = 1e-2, scale: floa
     del best
     return {"pairs": total, "contexts": n_ctx, "table_acc": table_hits / max(total, 1),
             "fit_acc": fit_hits / max(total, 1), "rank": r}
+
+
+def text_token_counts(tok, n_per_domain: int = 1500) -> Counter:
+    """Token frequencies of training reference texts (tokenizer only, no target): a prior
+    for the draft vocabulary while few target-labelled shards exist."""
+    import promptsets as ds
+
+    c: Counter = Counter()
+    for dom in ds.DOMAINS:
+        for r in ds.train_texts(dom, n_per_domain):
+            c.update(tok.encode(r["response"]))
+    return c
+
+
+def frequent_vocab(pool, size: int, always: list[int], vocab_size: int, prior: Counter | None = None
+                   ) -> torch.Tensor:
+    """The ``size`` most frequent target top-1 labels in the answers (plus ``always``); label
+    counts weigh 4x, ``prior`` (reference-text token counts) 1x."""
+    size = min(size, vocab_size)
+    counts: Counter = Counter()
+    for t, n in pool.label_counts().items():
+        counts[t] += 4 * n
+    for t, n in (prior or {}).items():
+        if t < vocab_size:
+            counts[t] += n
+    ids = list(dict.fromkeys([*always, *[t for t, _ in counts.most_common(size)]]))[:size]
+    if len(ids) < size:  # little data: pad with the lowest unused ids so the size is what was asked
+        have = set(ids)
+        ids += [t for t in range(vocab_size) if t not in have][: size - len(ids)]
+    return torch.tensor(sorted(ids), dtype=torch.int64)
