@@ -66,7 +66,15 @@ def training_config(args, settings):
         update["init_from_target"] = False
     if args.no_init_bigram:
         update["init_bigram"] = False
-    return settings.offline.model_validate(settings.offline.model_dump() | update)
+    from pydantic import ValidationError
+
+    from adaflash.cli import CliError
+
+    try:
+        return settings.offline.model_validate(settings.offline.model_dump() | update)
+    except ValidationError as e:
+        raise CliError("; ".join(f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}"
+                                 for err in e.errors())) from None
 
 
 def register(subparsers) -> None:

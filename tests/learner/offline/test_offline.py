@@ -180,6 +180,8 @@ def test_cli_budget_in_hours_and_resume_needs_a_checkpoint(tmp_path, capsys):
     args = parser.parse_args(["train-offline", "--budget-hours", "1.5", "--init-bundle", "dataplane/starter"])
     cfg = training_config(args, load_config(home=tmp_path / "home"))
     assert cfg.time_budget_s == 5400.0 and cfg.init_bundle == "dataplane/starter"
+    assert main(["train-offline", "--out", str(tmp_path / "x"), "--matmul-precision", "float8"]) != 0
+    assert "--matmul-precision: Input should be" in capsys.readouterr().err  # a message, not a traceback
 
 
 def test_offline_chat_data_never_takes_what_the_narrow_streams_take():
