@@ -226,6 +226,7 @@ class OfflineConfig(BaseModel):
     vocab_prior: bool = True  # add reference-text token counts to the label counts
     block_size: int = 16
     head_hidden: int = 128
+    recent_input: bool = False  # DrafterConfig.recent_input; a run may add it to a bundle without it
     seqs_per_step: int = Field(default=2, ge=1)
     anchors_per_seq: int = Field(default=16, ge=1)
     steps: int = Field(default=900, ge=0)

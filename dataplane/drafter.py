@@ -44,16 +44,21 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     draft_vocab_size: int = 0  # 0: full target vocabulary; else size of the reduced output vocab
     head_hidden: int = 128  # H' of the length head
+    # The newest context feature (the target's state at the position before the block) also
+    # enters every block position's input through ``recent_proj``: the block's own path to
+    # what the target computed last, beside attending to it among all context positions.
+    recent_input: bool = False
 
     @classmethod
-    def for_target(cls, a: ModelArgs, num_layers: int = 2, n_target_layers: int = 4,
-                   block_size: int = 16, draft_vocab_size: int = 0, head_hidden: int = 128) -> DrafterConfig:
+    def for_target(cls, a: ModelArgs, num_layers: int = 2, n_target_layers: int = 4, block_size: int = 16,
+                   draft_vocab_size: int = 0, head_hidden: int = 128, recent_input: bool = False) -> DrafterConfig:
         return cls(
             hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
             target_layers=list(default_hidden_layers(a.num_layers, n_target_layers)),
             num_layers=num_layers, block_size=block_size, rms_norm_eps=a.rms_norm_eps,
             rope_theta=a.rope_theta, draft_vocab_size=draft_vocab_size, head_hidden=head_hidden,
+            recent_input=recent_input,
         )
 
     def to_dict(self) -> dict:
@@ -118,6 +123,10 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(n_in, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        # zero at first: a drafter given the path starts out computing what it did without it
+        self.recent_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False) if c.recent_input else None
+        if self.recent_proj is not None:
+            nn.init.zeros_(self.recent_proj.weight)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.length_head = LengthHead(c.hidden_size, c.head_hidden)
@@ -181,12 +190,17 @@ class Drafter(nn.Module):
         """target_hidden [N, n_target_layers, H] -> projected context features [N, H]."""
         return self.hidden_norm(self.fc(target_hidden.flatten(-2)))
 
-    def block_embeddings(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """last_tokens [B] -> block inputs [B, k, H]: the token at 0, the mask embedding after it."""
+    def block_embeddings(self, last_tokens: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
+        """last_tokens [B] -> block inputs [B, k, H]: the token at 0, the mask embedding after it;
+        with ``recent_input``, plus ``recent_proj`` of recent [B, H] (each block's newest context
+        feature) at every position."""
         k = self.config.block_size
         first = F.embedding(last_tokens, self._shared["embed"]).unsqueeze(1)
         rest = self.mask_embedding.to(first.dtype).expand(last_tokens.shape[0], k - 1, -1)
-        return torch.cat([first, rest], dim=1)
+        x = torch.cat([first, rest], dim=1)
+        if self.recent_proj is not None and recent is not None:
+            x = x + self.recent_proj(recent.to(x.dtype)).unsqueeze(1)
+        return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden h [..., H] -> draft logits [..., Vd] (Vd = V or the reduced vocabulary)."""
@@ -235,6 +249,8 @@ class Drafter(nn.Module):
                     kv.write(li, kv.length, k[s:e], v[s:e])
         for b, kv in enumerate(kvs):
             kv.length += int(cu_seqlens[b + 1]) - int(cu_seqlens[b])
+            if cu_seqlens[b + 1] > cu_seqlens[b]:
+                kv.recent = feats[int(cu_seqlens[b + 1]) - 1].clone()
 
     @torch.inference_mode()
     def forward_block(self, last_tokens: torch.Tensor, kvs: list[SeqKV]) -> torch.Tensor:
@@ -244,7 +260,11 @@ class Drafter(nn.Module):
         its context and to the whole block (non-causal).
         """
         B, k = last_tokens.shape[0], self.config.block_size
-        x = self.block_embeddings(last_tokens.to(self.fc.weight.device)).reshape(B * k, -1)
+        recent = None
+        if self.recent_proj is not None:
+            zero = self.fc.weight.new_zeros(self.config.hidden_size)
+            recent = torch.stack([zero if kv.recent is None else kv.recent for kv in kvs])
+        x = self.block_embeddings(last_tokens.to(self.fc.weight.device), recent).reshape(B * k, -1)
         offs = torch.arange(k)
         pos = torch.cat([kv.length + offs for kv in kvs]).to(x.device)
         cos, sin = self.rotary.cos_sin(pos)
@@ -277,7 +297,7 @@ class Drafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary.cos_sin(torch.arange(L, device=dev))
         bpos = (anchors.unsqueeze(1) + torch.arange(k, device=dev)).reshape(-1)
         b_cos, b_sin = self.rotary.cos_sin(bpos)
-        x = self.block_embeddings(tokens[anchors]).reshape(A * k, -1)
+        x = self.block_embeddings(tokens[anchors], feats[anchors - 1]).reshape(A * k, -1)
         # mask [A*k, L + A*k]: context keys before the anchor, and the block's own keys.
         ctx_ok = torch.arange(L, device=dev).unsqueeze(0) < anchors.unsqueeze(1)  # [A, L]
         ctx_ok = ctx_ok.repeat_interleave(k, dim=0)

@@ -16,6 +16,7 @@ class SeqKV:
                  device: torch.device | str = "cpu", capacity: int = 64):
         self.data = torch.empty(n_layers, 2, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
+        self.recent: torch.Tensor | None = None  # a drafter's cache: its newest context feature [H]
 
     @property
     def capacity(self) -> int:

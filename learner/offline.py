@@ -108,7 +108,8 @@ def build_drafter(target, cfg: TrainConfig):
     from dataplane.drafter import Drafter, DrafterConfig
 
     dc = DrafterConfig.for_target(target.args, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                                  draft_vocab_size=cfg.draft_vocab_size, head_hidden=cfg.head_hidden)
+                                  draft_vocab_size=cfg.draft_vocab_size, head_hidden=cfg.head_hidden,
+                                  recent_input=cfg.recent_input)
     dc.target_layers = list(cfg.target_layers)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
@@ -118,6 +119,8 @@ def build_drafter(target, cfg: TrainConfig):
                 nn.init.normal_(m.weight, std=0.02 / math.sqrt(2))
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if d.recent_proj is not None:
+            nn.init.zeros_(d.recent_proj.weight)
     d.rotary.inv_freq = d.rotary.inv_freq.float()
     d.bind(target)
     if cfg.init_from_target:
@@ -269,7 +272,8 @@ def _restore_or_init(target, tok, pool: Pool, ckpt: Path, cfg: TrainConfig):
 
 def _continue_from(drafter, target, cfg: TrainConfig) -> None:
     """Weights and draft vocabulary of ``cfg.init_bundle`` (a run continued across sessions or from
-    the committed starter); refused when the bundle's shape is not this configuration's."""
+    the committed starter); refused when the bundle's shape is not this configuration's, except
+    that a run may add the recent-feature input (it starts at zero)."""
     from dataplane.drafter_io import load_bundle
 
     src, _ = load_bundle(cfg.init_bundle, target)
@@ -279,9 +283,13 @@ def _continue_from(drafter, target, cfg: TrainConfig) -> None:
     if have != want:
         diff = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
         raise RuntimeError(f"{cfg.init_bundle} does not have this run's shape (bundle, run): {diff}")
+    if src.config.recent_input and not cfg.recent_input:
+        raise RuntimeError(f"{cfg.init_bundle} has the recent-feature input; set recent_input to continue it")
     drafter.set_vocab_map(src.vocab_map.clone())
-    drafter.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v
-                             for k, v in src.state_dict().items()})
+    missing, _ = drafter.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v
+                                          for k, v in src.state_dict().items()}, strict=False)
+    if set(missing) - {"recent_proj.weight"}:
+        raise RuntimeError(f"{cfg.init_bundle} lacks weights: {sorted(missing)}")
 
 
 def _bundle_version(cfg: TrainConfig) -> tuple[str, dict]:

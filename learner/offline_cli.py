@@ -64,6 +64,8 @@ def training_config(args, settings):
         update["time_budget_s"] = args.budget_hours * 3600.0
     if args.no_init_from_target:
         update["init_from_target"] = False
+    if args.recent_input:
+        update["recent_input"] = True
     if args.no_init_bigram:
         update["init_bigram"] = False
     from pydantic import ValidationError
@@ -93,6 +95,8 @@ def register(subparsers) -> None:
     p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to continue from")
     p.add_argument("--no-init-from-target", action="store_true")
     p.add_argument("--no-init-bigram", action="store_true", help="skip the bigram initialisation")
+    p.add_argument("--recent-input", action="store_true",
+                   help="feed each block the newest context feature too (may be added to a bundle without it)")
     p.add_argument("--install", default="", help="copy the final bundle here (e.g. dataplane/starter)")
     p.set_defaults(func=run)
 

@@ -12,9 +12,13 @@ from dataplane.spec_policy import paper_k_hat
 IDENT = {"id": "tiny-llama", "sha256": "0" * 64}
 
 
-@pytest.fixture()
-def drafter(tiny_target):
-    return new_drafter(tiny_target, seed=3, num_layers=2, n_target_layers=2, block_size=8, head_hidden=16)
+@pytest.fixture(params=[False, True], ids=["kv-only", "recent-input"])
+def drafter(tiny_target, request):
+    d = new_drafter(tiny_target, seed=3, num_layers=2, n_target_layers=2, block_size=8, head_hidden=16,
+                    recent_input=request.param)
+    if d.recent_proj is not None:  # starts at zero; give the path weights so the tests exercise it
+        torch.nn.init.normal_(d.recent_proj.weight, std=0.05, generator=torch.Generator().manual_seed(5))
+    return d
 
 
 def test_training_forward_equals_serving_forward(tiny_target, drafter):
@@ -30,6 +34,12 @@ def test_training_forward_equals_serving_forward(tiny_target, drafter):
         drafter.extend_context(hidden[:p], [0, p], [kv])
         serve_h = drafter.forward_block(tokens[p : p + 1], [kv])
         assert torch.allclose(train_h[i], serve_h[0], atol=1e-5)
+    if drafter.recent_proj is not None:  # the block reads the newest context feature, in both forwards
+        kv.recent = torch.zeros_like(kv.recent)
+        assert not torch.allclose(drafter.forward_block(tokens[p : p + 1], [kv])[0], serve_h[0], atol=1e-4)
+        with torch.no_grad():
+            drafter.recent_proj.weight.zero_()
+            assert not torch.allclose(drafter.forward_train(hidden, tokens, anchors), train_h, atol=1e-4)
 
 
 @pytest.mark.parametrize("budget", [65536, 60])  # 60: groups cut by the padded-position budget

@@ -164,6 +164,20 @@ def test_a_run_continues_from_a_bundle_and_refuses_another_shape(tiny_target, to
     wrong = O.TrainConfig(**{**cont.__dict__, "draft_vocab_size": 32})
     with pytest.raises(RuntimeError, match="draft_vocab_size"):
         O.train(tiny_target, tok, tmp_path, root, tmp_path / "third", wrong, progress=False, target_identity=ident)
+    # a run may add the recent-feature input: it starts at zero, so the drafter computes what it did
+    grown = O.TrainConfig(**{**cont.__dict__, "recent_input": True})
+    O.train(tiny_target, tok, tmp_path, root, tmp_path / "grown", grown, progress=False, target_identity=ident)
+    big, _ = load_bundle(tmp_path / "grown" / "bundle", tiny_target, ident)
+    assert big.config.recent_input and not big.recent_proj.weight.any()
+    ex = D.load_shard(D.list_shards(root)[0], [0, 1])[0]
+    anchors = torch.tensor([ex.resp_start, len(ex.tokens) - 3])
+    with torch.no_grad():
+        assert torch.allclose(big.forward_train(ex.hidden.float(), ex.tokens, anchors),
+                              src.forward_train(ex.hidden.float(), ex.tokens, anchors))
+    # ... and a bundle with it is never continued without it
+    back = O.TrainConfig(**{**cont.__dict__, "init_bundle": str(tmp_path / "grown" / "bundle")})
+    with pytest.raises(RuntimeError, match="recent-feature input"):
+        O.train(tiny_target, tok, tmp_path, root, tmp_path / "fourth", back, progress=False, target_identity=ident)
 
 
 def test_cli_budget_in_hours_and_resume_needs_a_checkpoint(tmp_path, capsys):
