@@ -210,7 +210,8 @@ class LearnerConfig(BaseModel):
 
 class OfflineConfig(BaseModel):
     """``adaflash train-offline``: the offline drafter training (learner/offline.py). The
-    defaults are the committed starter's recipe (dataplane/starter/README.md)."""
+    defaults are the first starter's recipe; dataplane/starter/README.md gives the flags of
+    every phase of the committed one."""
 
     seed: int = 0
     num_layers: int = 1
