@@ -14,6 +14,14 @@ def _prepare(tiny_target, tok, root):
     return D.prepare(tiny_target, tok, root, streams, max_shards=2, progress=False)
 
 
+def _short_run(**over) -> O.TrainConfig:
+    """A few steps of a one-layer drafter on the tiny target's math shards, no validation."""
+    return O.TrainConfig(**{"num_layers": 1, "target_layers": [1, 3], "draft_vocab_size": 64, "head_hidden": 16,
+                            "lr": 3e-3, "seqs_per_step": 2, "anchors_per_seq": 4, "val_every": 0, "eval_prompts": 0,
+                            "domains": ["math"], "vocab_prior": False, "max_shard_seqs_val": 0, "rescan_every": 0,
+                            "streams": [], "domain_weights": {}, **over})
+
+
 def test_shards_resumable_and_labelled(tiny_target, tok, tmp_path):
     res = _prepare(tiny_target, tok, tmp_path)
     assert res["shards"] == {"tf-math": 2, "regen-math": 2}
@@ -141,10 +149,7 @@ def test_bigram_init_is_what_the_drafter_computes(tiny_target, tok, tmp_path):
 def test_a_run_continues_from_a_bundle_and_refuses_another_shape(tiny_target, tok, tmp_path):
     root = tmp_path / "data"
     _prepare(tiny_target, tok, root)
-    cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=64, head_hidden=16, steps=5,
-                        lr=3e-3, warmup=1, seqs_per_step=2, anchors_per_seq=4, val_every=0, eval_prompts=0,
-                        domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0, streams=[],
-                        domain_weights={})
+    cfg = _short_run(steps=5, warmup=1)
     ident = {"id": "tiny", "sha256": "0" * 64}
     O.train(tiny_target, tok, tmp_path, root, tmp_path / "first", cfg, progress=False, target_identity=ident)
     from dataplane.drafter_io import load_bundle
@@ -245,10 +250,7 @@ def test_bfloat16_products_train_and_auto_follows_the_served_precision(tiny_targ
 
     root = tmp_path / "data"
     _prepare(tiny_target, tok, root)
-    cfg = O.TrainConfig(num_layers=1, target_layers=[1, 3], draft_vocab_size=64, head_hidden=16, steps=12,
-                        lr=3e-3, warmup=2, seqs_per_step=2, anchors_per_seq=4, val_every=0, eval_prompts=0,
-                        domains=["math"], vocab_prior=False, max_shard_seqs_val=0, rescan_every=0, streams=[],
-                        domain_weights={}, matmul_precision="bfloat16")
+    cfg = _short_run(steps=12, warmup=2, matmul_precision="bfloat16")
     ident = {"id": "tiny", "sha256": "0" * 64}
     res = O.train(tiny_target, tok, tmp_path, root, tmp_path / "run", cfg, progress=False, target_identity=ident)
     assert res["compute"]["matmul_precision"] == "bfloat16"
