@@ -163,10 +163,10 @@ def onednn_product() -> tuple[Callable, Callable]:
 
 
 def beats(kernel, layout, rows: int, margin: float, label: str, baseline: tuple[Callable, Callable] | None = None,
-          baseline_label: str = "oneDNN") -> bool:
+          baseline_label: str = "oneDNN", dtype: torch.dtype = torch.bfloat16) -> bool:
     """True if ``kernel(x, layout(w))`` of ``rows`` rows takes under ``margin`` times ``baseline``
     (product, layout; default oneDNN's prepacked product) over 8 matrices of the model's shape
-    (so none stays in L2), fastest of five turns each, turns interleaved."""
+    in ``dtype`` (so none stays in L2), fastest of five turns each, turns interleaved."""
     from dataplane.kernels.cpu_linear import mkldnn_packing_works
 
     if baseline is None:
@@ -174,9 +174,9 @@ def beats(kernel, layout, rows: int, margin: float, label: str, baseline: tuple[
             return True
         baseline = onednn_product()
     g = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16) for _ in range(8)]
+    ws = [(torch.randn(1536, 576, generator=g) * 0.05).to(dtype) for _ in range(8)]
     laid = {"kernel": (kernel, [layout(w) for w in ws]), "baseline": (baseline[0], [baseline[1](w) for w in ws])}
-    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
     best = {"kernel": float("inf"), "baseline": float("inf")}
     for _ in range(5):
         for name, (product, weights) in laid.items():

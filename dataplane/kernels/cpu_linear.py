@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from dataplane.kernels import cpu_amx, cpu_dpbf16, cpu_gemv
+from dataplane.kernels import cpu_amx, cpu_dpbf16, cpu_gemv, cpu_gemv_f32
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,40 +58,45 @@ def mkldnn_packing_works(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """Which of our kernels serve bfloat16 products here.
+    """Which of our kernels serve products here.
 
-    ``gemv``: one to ``cpu_gemv.MAX_ROWS`` rows through the streaming GEMV. ``tiled``: the
-    module (``cpu_amx`` or ``cpu_dpbf16``) whose ``gemm`` serves up to its ``MAX_ROWS`` rows
-    on the B-tile layout (rows the GEMV takes go to the GEMV); None where neither pays.
+    bfloat16: ``gemv``: one to ``cpu_gemv.MAX_ROWS`` rows through the streaming GEMV.
+    ``tiled``: the module (``cpu_amx`` or ``cpu_dpbf16``) whose ``gemm`` serves up to its
+    ``MAX_ROWS`` rows on the B-tile layout (rows the GEMV takes go to the GEMV); None where
+    neither pays. float32: ``gemv_f32``: one to ``cpu_gemv_f32.MAX_ROWS`` rows through the
+    AVX2 kernel.
     """
 
     gemv: bool
     tiled: ModuleType | None
+    gemv_f32: bool = False
 
     def describe(self) -> dict:
         """The plan as the benchmark's machine report shows it."""
         first = cpu_gemv.MAX_ROWS + 1 if self.gemv else 1
         return {"gemv_bf16_rows": f"1-{cpu_gemv.MAX_ROWS}" if self.gemv else None,
                 "tiled_kernel": None if self.tiled is None else self.tiled.__name__.rsplit(".", 1)[-1],
-                "tiled_rows": None if self.tiled is None else f"{first}-{self.tiled.MAX_ROWS}"}
+                "tiled_rows": None if self.tiled is None else f"{first}-{self.tiled.MAX_ROWS}",
+                "gemv_f32_rows": f"1-{cpu_gemv_f32.MAX_ROWS}" if self.gemv_f32 else None}
 
 
 @functools.cache
 def kernel_plan() -> KernelPlan:
     """Decided once per process from the kernels' kept verdicts: AMX where it pays, else the
     AVX512-BF16 kernel where it pays; the GEMV where it pays, unless the AVX512-BF16 kernel
-    also beats it at one row."""
+    also beats it at one row. float32: the AVX2 kernel where it pays."""
     tiled = cpu_amx if cpu_amx.pays() else cpu_dpbf16 if cpu_dpbf16.pays() else None
     gemv = cpu_gemv.pays() and not (tiled is cpu_dpbf16 and cpu_dpbf16.serves_one_row())
-    return KernelPlan(gemv=gemv, tiled=tiled)
+    return KernelPlan(gemv=gemv, tiled=tiled, gemv_f32=cpu_gemv_f32.pays())
 
 
 class PackedLinear:
     """One weight matrix ready for the serving forward.
 
-    weight [N, K] (and bias [N]) on CPU in bfloat16: packed for oneDNN once; any other
-    dtype or device: plain ``F.linear`` (MKL on CPU, cuBLAS on CUDA). ``weight`` keeps the
-    plain tensor (views of it stay valid for the reference path).
+    weight [N, K] (and bias [N]) on CPU in bfloat16: packed for oneDNN once; in float32:
+    up to ``cpu_gemv_f32.MAX_ROWS`` rows through the AVX2 kernel where it pays; otherwise
+    plain ``F.linear`` (MKL on CPU, cuBLAS on CUDA). ``weight`` keeps the plain tensor
+    (views of it stay valid for the reference path).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
@@ -109,17 +114,25 @@ class PackedLinear:
         # one to four rows: our streaming kernel where it is measured to pay (cpu_gemv), also
         # for a weight the tiled kernel cannot take
         self.gemv = ours and cpu_gemv.takes_weight(weight) and (plan.gemv or (self.tiled is None and cpu_gemv.pays()))
+        self.gemv_f32 = pack and bias is None and cpu_gemv_f32.takes_weight(weight) and kernel_plan().gemv_f32
+
+    @property
+    def ours(self) -> bool:
+        """Some product is served other than by plain ``F.linear``."""
+        return self.packed is not None or self.gemv or self.tiled is not None or self.gemv_f32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
-        if (self.packed is None and not self.gemv and self.tiled is None) or x.dtype != self.weight.dtype:
+        if not self.ours or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.shape[0]
-        if self.gemv and rows <= cpu_gemv.MAX_ROWS:
+        if self.gemv_f32 and rows <= cpu_gemv_f32.MAX_ROWS:
+            y = cpu_gemv_f32.gemv(x, self.weight)
+        elif self.gemv and rows <= cpu_gemv.MAX_ROWS:
             y = cpu_gemv.gemv(x, self.weight)
         elif self.tiled is not None and rows <= self.tiled.MAX_ROWS:
             y = self.tiled.gemm(x, self.tiles)
@@ -134,7 +147,8 @@ def pack_linears(module: torch.nn.Module) -> int:
     """Serve every bfloat16 CPU ``nn.Linear`` of a frozen ``module`` through ``PackedLinear``.
 
     For inference only: the packed copy does not follow later changes of the weights. Layers
-    in other precisions are left alone. Returns how many layers were packed.
+    in other precisions are left alone (a float32 drafter may be trained after it was
+    loaded, and the kernels carry no gradients). Returns how many layers were packed.
     """
     n = 0
     for m in module.modules():

@@ -75,8 +75,10 @@ def test_real_model_logits_match_transformers(real_target_dir, real_target, real
     kv = real_target.new_cache()
     out = real_target.forward_packed(ids[:-5], [0, len(ids) - 5], [kv])
     rest = real_target.forward_packed(ids[-5:], [0, 5], [kv])
-    assert (out.logits - expected[:-5]).abs().max() < 1e-4
-    assert (rest.logits - expected[-5:]).abs().max() < 1e-4
+    # float32 products summed in another order than MKL's (the AVX2 kernel of cpu_gemv_f32):
+    # 30 layers of it move logits of magnitude ~20 by about 1e-4 (MKL itself: 8e-5)
+    assert (out.logits - expected[:-5]).abs().max() < 2e-4
+    assert (rest.logits - expected[-5:]).abs().max() < 2e-4
 
 
 @pytest.mark.parametrize("budget", [65536, 40])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataplane.kernels import cpu_amx, cpu_dpbf16, cpu_gemv, cpu_linear
+from dataplane.kernels import cpu_amx, cpu_dpbf16, cpu_gemv, cpu_gemv_f32, cpu_linear
 from dataplane.kernels.cpu_linear import KernelPlan, PackedLinear, kernel_plan, linear_torch
 from dataplane.precision import cpu_flags
 
@@ -92,8 +92,9 @@ def test_plan_on_this_machine():
         assert plan.gemv == (cpu_gemv.pays() and not cpu_dpbf16.serves_one_row())
     else:
         assert plan.tiled is None and plan.gemv == cpu_gemv.pays()
-    if not HAS_BF16:  # an AVX2-only machine: oneDNN or F.linear serve everything
-        assert plan == KernelPlan(gemv=False, tiled=None)
+    if not HAS_BF16:  # an AVX2-only machine: no bfloat16 kernel; float32 through the AVX2 kernel where it pays
+        assert (plan.gemv, plan.tiled) == (False, None)
+    assert plan.gemv_f32 == cpu_gemv_f32.pays()
 
 
 @pytest.mark.parametrize(("amx", "dp", "one_row", "gemv", "want"), [
@@ -108,6 +109,7 @@ def test_plan_prefers_amx_then_avx512_bf16_and_drops_the_gemv_it_beats(amx, dp, 
     monkeypatch.setattr(cpu_dpbf16, "pays", lambda: dp)
     monkeypatch.setattr(cpu_dpbf16, "serves_one_row", lambda: one_row)
     monkeypatch.setattr(cpu_gemv, "pays", lambda: gemv)
+    monkeypatch.setattr(cpu_gemv_f32, "pays", lambda: False)
     assert cpu_linear.kernel_plan.__wrapped__() == want
     described = want.describe()
     assert described["tiled_rows"] == (None if want.tiled is None else f"{5 if want.gemv else 1}-256")
