@@ -1,4 +1,4 @@
-"""y = x W^T for one to 64 rows in float32 on CPU with AVX2 and FMA: a kernel of our own
+"""y = x W^T for one to 128 rows in float32 on CPU with AVX2 and FMA: a kernel of our own
 (``gemv_f32.c``).
 
 Where a node serves float32 (a CPU without AVX512-BF16 or AMX), every decode and verify
@@ -6,8 +6,9 @@ product went through MKL's ``F.linear``, whose few-row path is far from the boun
 reading the weights once. Measured on a 2-core AMD EPYC with AVX2 only (read bandwidth
 31 GB/s, so the 540 MB of float32 weights stream in 17 ms), all 121 fused matrices and
 the output head of one SmolLM2-135M forward, two threads, fastest of five: MKL 36-39 ms
-for one row, 69-76 ms for two, 71-88 ms for four, 80-95 ms for sixteen, 194 ms for 64;
-this kernel 18.5-21 ms, 20-23 ms, 22-26 ms, 44-51 ms and 122 ms. Every output is one
+for one row, 69-76 ms for two, 71-88 ms for four, 80-95 ms for sixteen, 160-194 ms for
+64, 258 ms for 128; this kernel 18.5-21 ms, 20-23 ms, 22-26 ms, 44-51 ms, 117-122 ms and
+239 ms. From about 200 rows on (longer prompts) MKL is faster. Every output is one
 float32 accumulator over k in order, reduced by a fixed tree, so a row's result does not
 depend on the rows beside it: a verify step's products equal a decode step's bit for bit.
 
@@ -32,7 +33,7 @@ from dataplane.kernels.cpu_info import cpu_flags
 SOURCE = Path(__file__).with_name("gemv_f32.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 ENV_SWITCH = "ADAFLASH_CPU_GEMV_F32"
-MAX_ROWS = 64  # rows of x the kernel serves; more rows (prompts) go to MKL
+MAX_ROWS = 128  # rows of x the kernel serves; more rows (longer prompts) go to MKL, faster there
 K_MULTIPLE = 8
 
 

@@ -1,7 +1,7 @@
 /* y = x W^T for a few rows of x in float32, with AVX2 and FMA.
  *
  *   x [M, K] f32 (row stride ldx), W [N, K] f32 row-major, y [M, N] f32 (row stride ldy),
- *   1 <= M <= 64, K a multiple of 8; ``threads``: PyTorch's intra-op thread count.
+ *   1 <= M <= 128, K a multiple of 8; ``threads``: PyTorch's intra-op thread count.
  *
  * A float32 decode step multiplies one row (a verify step a few) by every weight matrix:
  * the product is bound by reading W once, and two cores of AVX2 FMA do about twelve rows'
@@ -59,7 +59,7 @@ BLOCK(block_many, 3, 4)
 
 int adaflash_gemv_f32(const float *x, int64_t ldx, int M, const float *w, int64_t N, int64_t K, float *y,
                       int64_t ldy, int threads) {
-    if (M < 1 || M > 64 || K % 8 != 0) return 1;
+    if (M < 1 || M > 128 || K % 8 != 0) return 1;
     /* R rows of W per block: eight for one row of x (streaming), four for two, three for more */
     const int R = M == 1 ? 8 : M == 2 ? 4 : 3;
     int64_t blocks = (N + R - 1) / R;

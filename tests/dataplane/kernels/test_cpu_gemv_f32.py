@@ -1,5 +1,5 @@
 """The float32 AVX2 GEMV kernel (dataplane/kernels/gemv_f32.c) against its torch reference:
-one to 64 rows, each row's result independent of the rows beside it, and the choice of
+one to 128 rows, each row's result independent of the rows beside it, and the choice of
 path: it serves float32 products only where the CPU has AVX2 and FMA and it measured
 faster than MKL; everywhere else ``F.linear`` serves."""
 
@@ -19,7 +19,7 @@ def test_available_exactly_where_the_cpu_has_avx2_and_fma():
     assert cpu_gemv_f32.available() == HAS_AVX2
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 128])
 @pytest.mark.parametrize(("n", "k"), [(203, 96), (7, 8), (1537, 576), (576, 1536)])
 def test_kernel_equals_reference(m, n, k):
     if not cpu_gemv_f32.available():
@@ -54,14 +54,14 @@ def test_strided_rows_and_refusals():
     x = torch.randn(4, 128, generator=g)[:, :64]  # rows with a stride of 128
     assert cpu_gemv_f32.supported(x, w)
     torch.testing.assert_close(cpu_gemv_f32.gemv(x, w), cpu_gemv_f32.gemv_torch(x, w), atol=1e-4, rtol=1e-4)
-    assert not cpu_gemv_f32.supported(torch.randn(65, 64), w)  # more rows than it serves
+    assert not cpu_gemv_f32.supported(torch.randn(129, 64), w)  # more rows than it serves
     assert not cpu_gemv_f32.supported(torch.randn(1, 12), torch.randn(8, 12))  # K not a multiple of 8
     assert not cpu_gemv_f32.supported(torch.randn(1, 64).to(torch.bfloat16), w)
     with pytest.raises(ValueError):
         cpu_gemv_f32.gemv(torch.randn(1, 12), torch.randn(8, 12))
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16, 64, 65])
+@pytest.mark.parametrize("rows", [1, 4, 16, 128, 129])
 def test_packed_linear_routes_float32_rows_through_the_kernel_where_it_pays(rows, monkeypatch):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(320, 576, generator=g) * 0.05
