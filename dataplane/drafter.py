@@ -157,11 +157,12 @@ class Drafter(nn.Module):
         self._shared.pop("out_packed", None)
 
     def prepare_serving(self) -> Drafter:
-        """Frozen for serving: bfloat16 products laid out once for oneDNN (see kernels.cpu_linear)."""
+        """Ready for serving: bfloat16 products laid out once for oneDNN, float32 ones through
+        the AVX2 kernel where it pays (see kernels.cpu_linear; training still works)."""
         pack_linears(self)
         if self._shared:
             out = PackedLinear(self._shared["out_weight"].detach())
-            if out.packed is not None:
+            if out.packed is not None or out.gemv_f32:
                 self._shared["out_packed"] = out
         return self
 

@@ -122,8 +122,10 @@ class PackedLinear:
         return self.packed is not None or self.gemv or self.tiled is not None or self.gemv_f32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N]."""
-        if not self.ours or x.dtype != self.weight.dtype:
+        """x [..., K] -> [..., N]. A product that autograd must see (x or the weight requires
+        grad, grad enabled) goes to ``F.linear``: the kernels carry no gradients."""
+        if (not self.ours or x.dtype != self.weight.dtype
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
@@ -144,15 +146,22 @@ class PackedLinear:
 
 
 def pack_linears(module: torch.nn.Module) -> int:
-    """Serve every bfloat16 CPU ``nn.Linear`` of a frozen ``module`` through ``PackedLinear``.
-
-    For inference only: the packed copy does not follow later changes of the weights. Layers
-    in other precisions are left alone (a float32 drafter may be trained after it was
-    loaded, and the kernels carry no gradients). Returns how many layers were packed.
+    """Serve the CPU ``nn.Linear`` layers of ``module`` through ``PackedLinear``: bfloat16
+    ones laid out for oneDNN (for a frozen module only: the packed copy does not follow later
+    changes of the weights), float32 ones through the AVX2 kernel where it pays (it reads the
+    parameter itself, and a product autograd must see still goes to ``F.linear``, so a
+    float32 drafter loaded for serving can be trained). Returns how many layers were packed.
     """
     n = 0
     for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+        if not isinstance(m, torch.nn.Linear) or m.weight.device.type != "cpu":
+            continue
+        if m.weight.dtype == torch.float32:
+            lin = PackedLinear(m.weight, m.bias)
+            if lin.gemv_f32:
+                m.forward = lin
+                n += 1
+        elif m.weight.dtype == torch.bfloat16:
             lin = PackedLinear(m.weight.detach(), None if m.bias is None else m.bias.detach())
             if lin.packed is not None:
                 m.forward = lin  # instance attribute: nn.Module.__call__ finds it first

@@ -89,8 +89,9 @@ def test_bundle_round_trip(tmp_path, tiny_target, drafter):
     loaded, m = load_bundle(tmp_path / "b", tiny_target, IDENT)
     assert m.version == "7" and m.files == manifest.files and m.block_size == 8
     h = torch.randn(1, 8, drafter.config.hidden_size)
-    assert torch.equal(loaded.logits(h), drafter.logits(h))
-    assert torch.equal(loaded.length_head(h), drafter.length_head(h))
+    with torch.inference_mode():  # the loaded one serves its float32 products through the AVX2 kernel where it pays
+        torch.testing.assert_close(loaded.logits(h), drafter.logits(h), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loaded.length_head(h), drafter.length_head(h), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "nan", "wrong_target", "wrong_shape", "no_manifest", "pin"])

@@ -85,3 +85,30 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert cpu_gemv_f32._lib() is None
     finally:
         cpu_gemv_f32._lib.cache_clear()
+
+
+def test_packed_float32_layers_serve_through_the_kernel_and_still_train():
+    """A float32 drafter loaded for serving is packed (``pack_linears``) and may then be
+    trained: products autograd must see go to ``F.linear`` with the live parameter."""
+    from dataplane.kernels.cpu_linear import pack_linears
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 16, bias=False))
+    packed = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 16, bias=False))
+    packed.load_state_dict(plain.state_dict())
+    assert pack_linears(packed) == (2 if cpu_gemv_f32.pays() else 0)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+    for model in (plain, packed):
+        model.zero_grad()
+        model(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), packed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    with torch.no_grad():  # an update in place is seen by the next served product
+        for p in packed.parameters():
+            p.mul_(2.0)
+        for p in plain.parameters():
+            p.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
