@@ -51,7 +51,8 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_t
     """Keep ``concurrency`` requests in flight until all prompts are served; returns raw stats.
 
     ``step_ms_p50``: median time of an engine step that admitted no new request (a pure
-    decode or verify step)."""
+    decode or verify step). ``outputs``: each request's tokens in the order the prompts
+    were given (requests finish in another order from one mode to the next)."""
     from dataplane.sequence import SamplingParams, Sequence
 
     pending = list(enumerate(prompt_ids))
@@ -90,7 +91,7 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, max_t
     return {"wall_s": wall, "tokens": tokens, "tps": tokens / wall, "tau": (tokens - len(done)) / rounds if rounds else 0.0,
             "mean_k_hat": verified / rounds if rounds else 0.0, "ttft_ms_p50": _pct(ttft, 0.5),
             "ttft_ms_p99": _pct(ttft, 0.99), "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99),
-            "step_ms_p50": _pct(steps, 0.5), "requests": len(done), "outputs": [s.output_ids for s in done],
+            "step_ms_p50": _pct(steps, 0.5), "requests": len(done), "outputs": [s.output_ids for s in sorted(done, key=lambda s: int(s.request_id[1:]))],  # as submitted
             # (a_hat, accepted drafts, drafts verified) of every round that drafted: the head's calibration
             "head_samples": [(r.a_hat, r.accepted, r.k_hat - 1) for s in done for r in s.rounds if r.k_hat > 1]}
 

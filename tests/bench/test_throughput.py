@@ -58,3 +58,18 @@ def test_head_calibration_per_block_position():
     # ... and one that says so when verification keeps everything is right
     right = head_calibration([(0.999, 3, 3)] * 20, cfg)
     assert right["mean_ece"] < 0.05
+
+
+def test_closed_loop_outputs_come_in_the_order_of_the_prompts(tiny_target):
+    """Requests finish in another order from one mode to the next (short answers first): the
+    outputs that the lossless comparison pairs up must follow the prompts, not the finish."""
+    from bench.throughput import run_closed_loop
+    from tests.dataplane.engine_util import make_engine, run
+
+    lengths = [10, 253, 12, 251, 8]  # the long prompts reach the context limit (256) within a few tokens
+    prompts = [[3 + (i + j) % 90 for j in range(n)] for i, n in enumerate(lengths)]
+    alone = [run(make_engine(tiny_target, mode="ar"), [p], max_tokens=6)[0].output_ids for p in prompts]
+    engine = make_engine(tiny_target, mode="ar")
+    got = run_closed_loop(engine, prompts, 3, 6)
+    assert [len(o) for o in alone] == [6, 3, 6, 5, 6]
+    assert got["requests"] == len(prompts) and got["outputs"] == alone
