@@ -127,16 +127,22 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.device.type == "cpu" and x.shape[1] == weight.shape[1] and x.stride(1) == 1)
 
 
+def call_product(fn, x: torch.Tensor, weight: torch.Tensor, label: str) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype through a kernel of ``bind_product``'s
+    signature on PyTorch's threads; a refusal (non-zero return) raises ValueError."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    rc = fn(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, y.data_ptr(), n, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"{label} refused x {tuple(x.shape)} weight {tuple(weight.shape)}")
+    return y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] bf16 with the kernel (callers check ``available``
     and ``supported``)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = _lib()(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, y.data_ptr(), n, torch.get_num_threads())
-    if rc:
-        raise ValueError(f"gemv_bf16 refused x {tuple(x.shape)} weight {tuple(weight.shape)}")
-    return y
+    return call_product(_lib(), x, weight, "gemv_bf16")
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dataplane.kernels.cpu_gemv import beats, bind_product, kept_verdict, load_kernel
+from dataplane.kernels.cpu_gemv import beats, bind_product, call_product, kept_verdict, load_kernel
 from dataplane.kernels.cpu_info import cpu_flags
 
 SOURCE = Path(__file__).with_name("gemv_f32.c")
@@ -69,13 +69,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] float32 with the kernel (callers check
     ``available`` and ``supported``)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    rc = _lib()(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, y.data_ptr(), n, torch.get_num_threads())
-    if rc:
-        raise ValueError(f"gemv_f32 refused x {tuple(x.shape)} weight {tuple(weight.shape)}")
-    return y
+    return call_product(_lib(), x, weight, "gemv_f32")
 
 
 @functools.cache
