@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataplane.kernels.cpu_elementwise import rms_norm, rotary
+from dataplane.kernels.cpu_forward import LayerStack, LayerWeights, stack_of
 from dataplane.kernels.cpu_linear import PackedLinear
 
 
@@ -74,6 +75,16 @@ class FusedModel:
             self.layers = [FusedLayer(layer) for layer in model.model.layers]
             self.lm_head = PackedLinear(model.lm_head.weight.detach())
         self.key = fused_key(model)
+        self.stack = self._stack(model)
+
+    def _stack(self, model: nn.Module) -> LayerStack | None:
+        """The layers for the float32 C forward (``kernels.cpu_forward``), where it serves them."""
+        if any(layer.q_norm is not None for layer in self.layers):
+            return None
+        a = model.args
+        weights = [LayerWeights(f.ln1.weight.detach(), f.qkv.weight, f.o.weight, f.ln2.weight.detach(),
+                                f.gate_up.weight, f.down.weight) for f in self.layers]
+        return stack_of(weights, a.num_heads, a.num_kv_heads, self.layers[0].ln1.eps)
 
 
 def fused_key(model: nn.Module) -> tuple:

@@ -356,9 +356,17 @@ class TargetModel(nn.Module):
     def _fused_layers(self, x, cos, sin, kvs, bounds, want, hidden) -> torch.Tensor:
         """Default numerics: every layer through ``dataplane.fused_layers`` (same math, fewer calls)."""
         a, T = self.args, x.shape[0]
+        fused = self.fused()
+        caches = [kv.data for kv in kvs]
+        if fused.stack is not None and fused.stack.takes(x, bounds, caches):  # every layer in one C call
+            slot_layers = [0] * (hidden.shape[1] if hidden is not None else 0)
+            for layer, slots in want.items():
+                for s in slots:
+                    slot_layers[s] = layer
+            return fused.stack.run(x, cos.to(x.dtype), sin.to(x.dtype), caches, bounds, tuple(slot_layers), hidden)[0]
         plan = StreamPlan(bounds, a.num_heads, a.num_kv_heads, a.head_dim, self.kv_dtype, x.device, fast=True)
         cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # [T, 1, d]
-        for i, layer in enumerate(self.fused().layers):
+        for i, layer in enumerate(fused.layers):
             x = layer.forward(x, cos, sin, lambda q, k, v, i=i: plan.attend(i, q, k, v, kvs))
             for slot in want.get(i, ()):
                 hidden[:, slot] = x[:T]

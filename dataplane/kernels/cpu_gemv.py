@@ -66,12 +66,13 @@ def _cache_dir() -> Path:
     return _CACHE["dir"]
 
 
-def build_kernel(source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
-    """The compiled ``source``, built once per source, flags and compiler into the cache directory."""
+def build_kernel(source: Path = SOURCE, cflags: list[str] = CFLAGS, also: tuple[Path, ...] = ()) -> Path:
+    """The compiled ``source`` (linked with the sources ``also``), built once per sources,
+    flags and compiler into the cache directory."""
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if cc is None:
         raise RuntimeError("no C compiler")
-    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # its headers
+    src = b"".join(p.read_bytes() for p in (source, *also, *sorted(source.parent.glob("*.h"))))  # and headers
     torch_lib = Path(torch.__file__).parent / "lib"  # link the OpenMP runtime PyTorch loaded
     key = hashlib.sha256(src + " ".join([cc, *cflags, str(torch_lib)]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
@@ -80,16 +81,16 @@ def build_kernel(source: Path = SOURCE, cflags: list[str] = CFLAGS) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        subprocess.run([cc, *cflags, "-o", str(so), str(source), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"],
+        subprocess.run([cc, *cflags, "-o", str(so), str(source), *map(str, also), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"],
                        check=True, capture_output=True, timeout=120)
         os.replace(so, out)  # atomic: nodes starting together never load a half-written file
     return out
 
 
-def load_kernel(source: Path, cflags: list[str], label: str):
-    """``source`` built and loaded (``ctypes.CDLL``), or None where that fails here (logged)."""
+def load_kernel(source: Path, cflags: list[str], label: str, also: tuple[Path, ...] = ()):
+    """``source`` (and ``also``) built and loaded (``ctypes.CDLL``), or None where that fails here (logged)."""
     try:
-        return ctypes.CDLL(str(build_kernel(source, cflags)))
+        return ctypes.CDLL(str(build_kernel(source, cflags, also)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.info("%s not available (%s); oneDNN serves every product", label, e)
         return None

@@ -1,0 +1,189 @@
+"""Every decoder layer of a float32 decode or verify forward in one C call (``forward_f32.c``).
+
+Where a node serves float32 (a CPU without AVX512-BF16 or AMX), the products already ran
+in our AVX2 kernel and attention in one call a layer, yet a decode step took about twice
+the products' time: per layer, two RMS norms, the rotation, the gated activation, two
+residual adds and four product calls each crossed from Python, and each found the
+interpreter and PyTorch's dispatcher evicted from the caches by the weights streaming
+past (an RMS norm of one row took 65 us inside the forward against 18 us on its own).
+Measured on a 2-core AMD EPYC (Zen 3, AVX2 and FMA only), the 30 layers of SmolLM2-135M
+at one token after 128: products 30.8 ms and the rest 11-13 ms of a 43 ms forward through
+the fused Python layers. Here the layers run back to back in C; the output norm and head
+stay in Python.
+
+Taken where the target serves float32 on CPU, the float32 GEMV kernel pays
+(``cpu_gemv_f32.pays``), the library builds and agrees with ``layers_torch`` (the
+reference, ``available``), and every request of the stream brings 1 to
+``cpu_attention.MAX_QUERIES`` tokens (a decode, a verify, a short prompt), at most
+``MAX_TOKENS`` in all. ``ADAFLASH_CPU_FORWARD=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dataplane.kernels import cpu_attention, cpu_gemv_f32
+from dataplane.kernels.cpu_attention import BatchArgs, attend_batch_torch
+from dataplane.kernels.cpu_elementwise import rms_norm_torch, rotary_torch
+from dataplane.kernels.cpu_gemv import load_kernel
+from dataplane.kernels.cpu_info import cpu_flags
+
+SOURCE = Path(__file__).with_name("forward_f32.c")
+ALSO = (cpu_gemv_f32.SOURCE, cpu_attention.SOURCE)  # linked in: the products and the attention
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+ENV_SWITCH = "ADAFLASH_CPU_FORWARD"
+MAX_TOKENS = cpu_gemv_f32.MAX_ROWS  # rows of a stream taken; longer ones go through the Python layers
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's float32 weights: ln1, ln2 [H]; qkv [(heads + 2 kvh) d, H];
+    o [H, heads d]; gate_up [2 inter, H]; down [H, inter]."""
+
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.ln1, self.qkv, self.o, self.ln2, self.gate_up, self.down
+
+
+def layers_torch(x: torch.Tensor, layers: list[LayerWeights], heads: int, kv_heads: int, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
+                 bounds: list[tuple[int, int, int]], slot_layers: tuple[int, ...] = ()) -> tuple:
+    """Reference. x [T, H]; cos, sin [T, d]; caches: per request its ``SeqKV.data``
+    [L, 2, kv_heads, cap, d] float32, updated; bounds as the model's forward. Returns
+    (x after the last layer [T, H], hidden [T, len(slot_layers), H] after the layers named)."""
+    T, H = x.shape
+    d = cos.shape[1]
+    hidden = x.new_empty(T, len(slot_layers), H)
+    cs, sn = cos.unsqueeze(1), sin.unsqueeze(1)
+    for i, w in enumerate(layers):
+        h = rms_norm_torch(x, w.ln1, eps)
+        qkv = F.linear(h, w.qkv).view(T, heads + 2 * kv_heads, d)
+        qk = rotary_torch(qkv[:, : heads + kv_heads], cs, sn)
+        att = attend_batch_torch(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:],
+                                 [c[i] for c in caches], bounds)
+        x = x + F.linear(att, w.o)
+        gu = F.linear(rms_norm_torch(x, w.ln2, eps), w.gate_up)
+        inter = gu.shape[1] // 2
+        x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
+        for s, layer in enumerate(slot_layers):
+            if layer == i:
+                hidden[:, s] = x
+    return x, hidden
+
+
+@functools.cache
+def _lib():
+    """The loaded library, or None where it cannot be used here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    flags = cpu_flags()
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    lib = load_kernel(SOURCE, CFLAGS, "float32 forward kernel", also=ALSO)
+    if lib is None:
+        return None
+    fn = lib.adaflash_forward_f32
+    fn.argtypes = [_P, _I, _I, _I, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I,
+                   _P, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class LayerStack:
+    """The float32 layers of one model, their weight addresses laid out once for the C forward."""
+
+    def __init__(self, layers: list[LayerWeights], heads: int, kv_heads: int, eps: float):
+        self.layers = layers  # keeps the weights alive while their addresses are in use
+        self.heads, self.kv_heads, self.eps = heads, kv_heads, float(eps)
+        self.H = layers[0].ln1.shape[0]
+        self.head_dim = layers[0].qkv.shape[0] // (heads + 2 * kv_heads)
+        self.inter = layers[0].gate_up.shape[0] // 2
+        self.ptrs = (ctypes.c_void_p * (6 * len(layers)))(*(t.data_ptr() for w in layers for t in w.tensors()))
+
+    @staticmethod
+    def fits(layers: list[LayerWeights]) -> bool:
+        """Contiguous float32 CPU weights of the shapes the kernel takes."""
+        ts = [t for w in layers for t in w.tensors()]
+        return bool(ts) and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
+
+    def takes(self, x: torch.Tensor, bounds: list[tuple[int, int, int]], caches: list[torch.Tensor]) -> bool:
+        """This stream runs here: float32 rows, at most ``MAX_TOKENS``, each request 1 to
+        ``cpu_attention.MAX_QUERIES`` new tokens, every cache a contiguous float32 ``SeqKV.data``."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_TOKENS
+                and bool(bounds) and all(0 < e - s <= cpu_attention.MAX_QUERIES for s, e, _ in bounds)
+                and all(c.dtype == torch.float32 and c.dim() == 5 and c.is_contiguous() for c in caches))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
+            bounds: list[tuple[int, int, int]], slot_layers: tuple[int, ...] = (),
+            hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``layers_torch`` (check ``takes`` first). x [T, H] is not modified; ``hidden``
+        [T, len(slot_layers), H] float32 may be given to be filled."""
+        T = x.shape[0]
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if hidden is None:
+            hidden = x.new_empty(T, len(slot_layers), self.H)
+        args = BatchArgs(caches, bounds)
+        slots = (ctypes.c_int64 * max(len(slot_layers), 1))(*slot_layers)
+        rc = _lib()(x.data_ptr(), T, self.H, len(self.layers), self.ptrs, self.heads, self.kv_heads, self.head_dim,
+                    self.inter, self.eps, cos.data_ptr(), sin.data_ptr(), args.B, args.row0, args.n, args.caches,
+                    args.layer_stride, args.cap, args.start, hidden.data_ptr(), len(slot_layers), slots,
+                    torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"forward kernel refused its arguments ({rc})")
+        return x, hidden
+
+
+def stack_of(layers: list[LayerWeights], heads: int, kv_heads: int, eps: float) -> LayerStack | None:
+    """The layers as a ``LayerStack`` where the C forward serves them here (float32 weights
+    it takes, the GEMV kernel measured to pay, the library correct), else None."""
+    if not LayerStack.fits(layers) or not cpu_gemv_f32.pays() or not available():
+        return None
+    return LayerStack(layers, heads, kv_heads, eps)
+
+
+@functools.cache
+def available() -> bool:
+    """The library loads here, agrees with ``layers_torch`` (hidden states and caches to
+    1e-4) and gives a request's rows what they are alone."""
+    if _lib() is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    H, heads, kvh, d, inter, L = 32, 4, 2, 8, 48, 2
+
+    def r(*shape, s=0.2):
+        return torch.randn(*shape, generator=g) * s
+
+    layers = [LayerWeights(1 + r(H), r((heads + 2 * kvh) * d, H), r(H, heads * d), 1 + r(H), r(2 * inter, H),
+                           r(H, inter)) for _ in range(L)]
+    stack = LayerStack(layers, heads, kvh, 1e-5)
+    bounds = [(0, 1, 5), (1, 4, 2), (4, 7, 0)]
+    T = 7
+    x, pos = r(T, H, s=1.0), torch.tensor([5, 2, 3, 4, 0, 1, 2])
+    ang = pos.unsqueeze(1) * torch.linspace(0.1, 1.0, d // 2).repeat(2).unsqueeze(0)
+    cos, sin = ang.cos(), ang.sin()
+    base = [r(L, 2, kvh, 12, d, s=1.0) for _ in bounds]
+    c_ref, c_ours = [c.clone() for c in base], [c.clone() for c in base]
+    want_x, want_h = layers_torch(x, layers, heads, kvh, 1e-5, cos, sin, c_ref, bounds, (0, 1))
+    got_x, got_h = stack.run(x, cos, sin, c_ours, bounds, (0, 1))
+    ok = (torch.allclose(got_x, want_x, atol=1e-4, rtol=1e-4) and torch.allclose(got_h, want_h, atol=1e-4, rtol=1e-4)
+          and all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(c_ours, c_ref, strict=True)))
+    # the second request alone, from the same cache: its rows bit for bit
+    alone = [base[1].clone()]
+    x1, _ = stack.run(x[1:4], cos[1:4], sin[1:4], alone, [(0, 3, 2)])
+    return bool(ok and torch.equal(x1, got_x[1:4]))
