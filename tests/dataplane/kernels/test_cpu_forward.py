@@ -41,6 +41,7 @@ def test_available_exactly_where_the_cpu_has_avx2_and_fma():
     [(0, 1, 40)],  # a decode
     [(0, 16, 40)],  # a verify of sixteen
     [(0, 1, 3), (1, 5, 17), (5, 12, 0), (12, 13, 9)],  # decodes, verifies and a short prompt
+    [(0, 64, 10), (64, 128, 0), (128, 150, 5)],  # more rows than one product call takes
 ])
 def test_equals_the_reference(bounds):
     if not cpu_forward.available():
@@ -52,7 +53,7 @@ def test_equals_the_reference(bounds):
     x_before = x.clone()
     pos = torch.cat([torch.arange(st, st + e - s) for s, e, st in bounds])
     cos, sin = _rope(pos, 16)
-    base = [torch.randn(3, 2, 2, 64, 16, generator=g) for _ in bounds]
+    base = [torch.randn(3, 2, 2, 96, 16, generator=g) for _ in bounds]
     c_ref, c_ours = [c.clone() for c in base], [c.clone() for c in base]
     want_x, want_h = layers_torch(x, layers, 6, 2, 1e-5, cos, sin, c_ref, bounds, (0, 2, 0))
     assert stack.takes(x, bounds, c_ours)
@@ -87,7 +88,7 @@ def test_a_requests_rows_do_not_depend_on_the_stream():
 def test_refuses_what_it_does_not_take():
     layers, stack, _ = _stack(3)
     cache = [torch.zeros(3, 2, 2, 64, 16)]
-    assert not stack.takes(torch.randn(cpu_forward.MAX_TOKENS + 1, 64), [(0, 1, 0)], cache)
+    assert stack.takes(torch.randn(640, 64), [(64 * i, 64 * i + 64, 0) for i in range(10)], cache * 10)
     assert not stack.takes(torch.randn(65, 64), [(0, 65, 0)], cache)  # a longer prompt: the Python layers
     assert not stack.takes(torch.randn(1, 64).to(torch.bfloat16), [(0, 1, 0)], cache)
     assert not stack.takes(torch.randn(1, 64), [(0, 1, 0)], [torch.zeros(3, 2, 2, 64, 16).to(torch.bfloat16)])
