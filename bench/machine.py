@@ -59,10 +59,13 @@ def describe(precision_choice) -> dict:
 
 
 def cpu_kernels() -> dict:
-    """Which of our CPU kernels serve bfloat16 products here (each only where it measured faster)."""
+    """Which of our CPU kernels serve products here (each only where it measured faster), and
+    whether float32 decode and verify steps run every layer in one C call."""
+    from dataplane.kernels import cpu_forward
     from dataplane.kernels.cpu_linear import kernel_plan
 
-    return kernel_plan().describe()
+    plan = kernel_plan()
+    return {**plan.describe(), "forward_f32_layers": plan.gemv_f32 and cpu_forward.available()}
 
 
 def bound_ms(nbytes: int, bandwidth_gbs: float) -> float:
