@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +35,9 @@ import torch.nn.functional as F
 from dataplane.kernels import cpu_attention, cpu_gemv_f32
 from dataplane.kernels.cpu_attention import BatchArgs, attend_batch_torch
 from dataplane.kernels.cpu_elementwise import rms_norm_torch, rotary_torch
-from dataplane.kernels.cpu_gemv import load_kernel
-from dataplane.kernels.cpu_info import cpu_flags
 
 SOURCE = Path(__file__).with_name("forward_f32.c")
 ALSO = (cpu_gemv_f32.SOURCE, cpu_attention.SOURCE)  # linked in: the products and the attention
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 ENV_SWITCH = "ADAFLASH_CPU_FORWARD"
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -92,12 +88,7 @@ def layers_torch(x: torch.Tensor, layers: list[LayerWeights], heads: int, kv_hea
 @functools.cache
 def _lib():
     """The loaded library, or None where it cannot be used here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    flags = cpu_flags()
-    if "avx2" not in flags or "fma" not in flags:
-        return None
-    lib = load_kernel(SOURCE, CFLAGS, "float32 forward kernel", also=ALSO)
+    lib = cpu_gemv_f32.load_avx2(SOURCE, ENV_SWITCH, "float32 forward kernel", also=ALSO)
     if lib is None:
         return None
     fn = lib.adaflash_forward_f32

@@ -42,15 +42,19 @@ def gemv_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def load_avx2(source: Path, switch: str, label: str, also: tuple[Path, ...] = ()):
+    """An AVX2 and FMA library (``cpu_gemv.load_kernel``), or None where the CPU lacks them or
+    the environment variable ``switch`` is 0."""
+    flags = cpu_flags()
+    if os.environ.get(switch, "1") == "0" or "avx2" not in flags or "fma" not in flags:
+        return None
+    return load_kernel(source, CFLAGS, label, also)
+
+
 @functools.cache
 def _lib():
     """The loaded kernel, or None where it cannot be used here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    flags = cpu_flags()
-    if "avx2" not in flags or "fma" not in flags:
-        return None
-    lib = load_kernel(SOURCE, CFLAGS, "float32 GEMV kernel")
+    lib = load_avx2(SOURCE, ENV_SWITCH, "float32 GEMV kernel")
     return None if lib is None else bind_product(lib.adaflash_gemv_f32)
 
 
