@@ -42,6 +42,7 @@ def test_available_exactly_where_the_cpu_has_avx2_and_fma():
     [(0, 16, 40)],  # a verify of sixteen
     [(0, 1, 3), (1, 5, 17), (5, 12, 0), (12, 13, 9)],  # decodes, verifies and a short prompt
     [(0, 64, 10), (64, 128, 0), (128, 150, 5)],  # more rows than one product call takes
+    [(0, 90, 0)],  # a prompt
 ])
 def test_equals_the_reference(bounds):
     if not cpu_forward.available():
@@ -89,7 +90,8 @@ def test_refuses_what_it_does_not_take():
     layers, stack, _ = _stack(3)
     cache = [torch.zeros(3, 2, 2, 64, 16)]
     assert stack.takes(torch.randn(640, 64), [(64 * i, 64 * i + 64, 0) for i in range(10)], cache * 10)
-    assert not stack.takes(torch.randn(65, 64), [(0, 65, 0)], cache)  # a longer prompt: the Python layers
+    assert stack.takes(torch.randn(300, 64), [(0, 300, 0)], cache)  # a prompt
+    assert not stack.takes(torch.randn(1, 64), [(0, 1, 0), (1, 1, 4)], cache * 2)  # a request with no new token
     assert not stack.takes(torch.randn(1, 64).to(torch.bfloat16), [(0, 1, 0)], cache)
     assert not stack.takes(torch.randn(1, 64), [(0, 1, 0)], [torch.zeros(3, 2, 2, 64, 16).to(torch.bfloat16)])
     assert not LayerStack.fits([LayerWeights(*(t.to(torch.bfloat16) for t in layers[0].tensors()))])
@@ -111,10 +113,9 @@ def test_the_target_forward_takes_it_where_it_serves(dtype, monkeypatch, tmp_pat
     prompt = torch.randint(3, 200, (70,))
     kv = target.new_cache(90)
     target.forward_packed(prompt, [0, 70], [kv], logits_index=torch.empty(0, dtype=torch.int64))
-    assert calls == []  # a prompt of more than MAX_QUERIES tokens: the Python layers
     new = torch.randint(3, 200, (5,))
     ours = target.forward_packed(new, [0, 5], [kv], hidden_layers=(0, 1)).logits
-    assert calls == [5]
+    assert calls == [70, 5]
     kv.truncate(70)
     stack, fused.stack = fused.stack, None
     try:
@@ -154,4 +155,4 @@ def test_the_serving_forward_matches_the_reference_forward(tmp_path, monkeypatch
         a = ours.forward_packed(stream, cu, caches[ours]).logits
         b = ref.forward_packed(stream, cu, caches[ref]).logits
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert calls == [1, 1, 1, 3, 3, 3]  # the prompts (at most 64 tokens) and every step in one call each
+    assert calls == [1, 1, 1, 3, 3, 3]  # the prompts and every step in one call each
