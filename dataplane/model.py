@@ -354,7 +354,8 @@ class TargetModel(nn.Module):
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def _fused_layers(self, x, cos, sin, kvs, bounds, want, hidden) -> torch.Tensor:
-        """Default numerics: every layer through ``dataplane.fused_layers`` (same math, fewer calls)."""
+        """Default numerics: every layer through ``dataplane.fused_layers`` (same math, fewer
+        calls); in float32 on CPU, all of them in one C call where that serves (``kernels.cpu_forward``)."""
         a, T = self.args, x.shape[0]
         fused = self.fused()
         caches = [kv.data for kv in kvs]

@@ -1,4 +1,4 @@
-"""Every decoder layer of a float32 decode or verify forward in one C call (``forward_f32.c``).
+"""Every decoder layer of a float32 forward (decode, verify or prompt) in one C call (``forward_f32.c``).
 
 Where a node serves float32 (a CPU without AVX512-BF16 or AMX), the products already ran
 in our AVX2 kernel and attention in one call a layer, yet a decode step took about twice

@@ -1,4 +1,4 @@
-/* Every decoder layer of a float32 decode or verify forward in one call, with AVX2 and FMA.
+/* Every decoder layer of a float32 forward (decode, verify or prompt) in one call, with AVX2 and FMA.
  *
  * With the products in our own kernel (gemv_f32.c) and attention in one call a layer
  * (attention_f32.c), what was left of a float32 step on CPU was the host between them:
@@ -19,7 +19,8 @@
  * Every row is computed on its own, the same way whatever else the stream holds: the
  * products are row-invariant (gemv_f32.c, 128 rows a call), the norms, rotation and
  * activation are per row, and attention per (request, head, query). A decode of one
- * token and a verify of sixteen give that token the same bits.
+ * token and a verify of sixteen give that token the same bits; so do a prompt's rows
+ * whether the prompt comes alone or beside other requests.
  *
  * Reference: dataplane.kernels.cpu_forward.layers_torch (norm sums and exp are ordered
  * differently, so results agree to float32 rounding; the rotation is exact).
