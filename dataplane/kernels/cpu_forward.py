@@ -13,7 +13,8 @@ stay in Python.
 
 Taken where the target serves float32 on CPU, the float32 GEMV kernel pays
 (``cpu_gemv_f32.pays``) and the library builds and agrees with ``layers_torch`` (the
-reference, ``available``): every stream, decode, verify or prompt, however many requests.
+reference, ``available``): every stream of at most ``MAX_TOKENS`` rows, decodes, verifies
+and prompts.
 Measured in one process against the Python layers, fastest of four to twelve interleaved
 runs, 128 cached tokens each: one token at C=1 27.2 against 41.6 ms, sixteen 58.5 against
 77.4; one token each at C=16 62.7 against 82.5, at C=32 122.6 against 123.0; sixteen each
@@ -39,6 +40,10 @@ from dataplane.kernels.cpu_elementwise import rms_norm_torch, rotary_torch
 SOURCE = Path(__file__).with_name("forward_f32.c")
 ALSO = (cpu_gemv_f32.SOURCE, cpu_attention.SOURCE)  # linked in: the products and the attention
 ENV_SWITCH = "ADAFLASH_CPU_FORWARD"
+
+# Rows of a stream taken, as far as measured faster: beyond, the products are a GEMM that MKL
+# does better than 128-row passes of the GEMV kernel (the learner labels streams of 4,096).
+MAX_TOKENS = 512
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -116,9 +121,9 @@ class LayerStack:
         return bool(ts) and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
     def takes(self, x: torch.Tensor, bounds: list[tuple[int, int, int]], caches: list[torch.Tensor]) -> bool:
-        """This stream runs here: float32 rows, each request at least one new token, every cache
-        a contiguous float32 ``SeqKV.data``."""
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+        """This stream runs here: at most ``MAX_TOKENS`` float32 rows, each request at least one
+        new token, every cache a contiguous float32 ``SeqKV.data``."""
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_TOKENS
                 and bool(bounds) and all(e > s for s, e, _ in bounds)
                 and all(c.dtype == torch.float32 and c.dim() == 5 and c.is_contiguous() for c in caches))
 

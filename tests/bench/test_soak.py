@@ -42,7 +42,10 @@ def test_three_minute_soak_with_faults_keeps_every_invariant(tmp_path, tiny_voca
     # shadow evaluation replays a small window, so that it keeps up on two busy cores
     env = loop_env(out / "home", tiny_vocab_target, tiny_bundle, policy, ADAFLASH_LEARNER__BUFFER_SIZE="32",
                    ADAFLASH_LEARNER__PUBLISH_EVERY="4", ADAFLASH_CONTROLPLANE__SHADOW_MAX_RECORDS="16",
-                   ADAFLASH_CONTROLPLANE__CLAIM_LEASE_S="20")  # steps of a tiny model take a few seconds
+                   ADAFLASH_CONTROLPLANE__CLAIM_LEASE_S="20",  # steps of a tiny model take a few seconds
+                   # the tiny nodes serve faster than two learners train beside them on two cores: a
+                   # record a learner reaches over a minute late is shed and counted, as in production
+                   ADAFLASH_LEARNER__MAX_RECORD_AGE_S="60")
     r = adaflash(env, "bench", "soak", "--minutes", "3", "--concurrency", "4", "--tenants", "3",
                  "--faults", FAULTS, "--out", str(out), timeout=1400, check=False)
     res = json.loads((out / "result.json").read_text())

@@ -89,7 +89,8 @@ def test_a_requests_rows_do_not_depend_on_the_stream():
 def test_refuses_what_it_does_not_take():
     layers, stack, _ = _stack(3)
     cache = [torch.zeros(3, 2, 2, 64, 16)]
-    assert stack.takes(torch.randn(640, 64), [(64 * i, 64 * i + 64, 0) for i in range(10)], cache * 10)
+    assert stack.takes(torch.randn(512, 64), [(64 * i, 64 * i + 64, 0) for i in range(8)], cache * 8)
+    assert not stack.takes(torch.randn(cpu_forward.MAX_TOKENS + 1, 64), [(0, cpu_forward.MAX_TOKENS + 1, 0)], cache)
     assert stack.takes(torch.randn(300, 64), [(0, 300, 0)], cache)  # a prompt
     assert not stack.takes(torch.randn(1, 64), [(0, 1, 0), (1, 1, 4)], cache * 2)  # a request with no new token
     assert not stack.takes(torch.randn(1, 64).to(torch.bfloat16), [(0, 1, 0)], cache)
