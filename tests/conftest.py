@@ -59,24 +59,13 @@ def real_tokenizer(real_target_dir):
     return Tokenizer(real_target_dir)
 
 
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The threads still alive at the end of the run that used the most CPU: a thread a test
     left running (an engine loop, a server, a consumer) slows every test after it."""
-    import threading
+    from tests.thread_cpu import cpu_seconds, thread_name
 
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    used = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except FileNotFoundError:
-            continue
-        used.append(((int(fields[11]) + int(fields[12])) / tick, names.get(int(tid), comm)))
-    used.sort(reverse=True)
+    used = sorted(((cpu, tid) for tid, cpu in cpu_seconds().items()), reverse=True)
     terminalreporter.write_sep("-", f"{len(used)} threads alive at the end, by CPU seconds used")
-    for cpu, name in used[:12]:
-        terminalreporter.write_line(f"{cpu:10.1f}  {name}")
+    for cpu, tid in used[:12]:
+        terminalreporter.write_line(f"{cpu:10.1f}  {thread_name(tid)}")

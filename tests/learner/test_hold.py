@@ -5,7 +5,6 @@ the hold is lifted it trains them."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -17,6 +16,7 @@ from adaflash.controlplane_client import ControlPlaneClient
 from tests.dataplane.conftest import LiveServer
 from tests.learner.test_service import learner_settings
 from tests.learner.tiny import make_record, produce
+from tests.thread_cpu import cpu_seconds, thread_ids, thread_name
 
 pytestmark = pytest.mark.services
 
@@ -53,20 +53,20 @@ def test_no_step_while_learning_is_held_and_the_records_train_once_lifted(tmp_pa
             built.append(Learner(s))
             steps.append(built[0].run(max_steps=1))
 
-        before = _threads()  # whatever earlier work left running in this process is not the learner's
+        before = thread_ids()  # whatever earlier work left running in this process is not the learner's
         runner = threading.Thread(target=serve, daemon=True)
         runner.start()
         _wait(lambda: built, 120, "the learner started")
         learner = built[0]
         try:
             _wait(lambda: learner.buffer.ready(), 60, "the buffer filled while held")
-            mine = _threads() - before  # the learner's thread and every thread it started
-            cpu0, t0 = _cpu_s(mine), time.monotonic()
+            mine = thread_ids() - before  # the learner's thread and every thread it started
+            cpu0, t0 = cpu_seconds(mine), time.monotonic()
             time.sleep(3.0)  # buffer ready, well past max_wait_s: only the hold keeps the step back
-            cpu1, dt = _cpu_s(mine), time.monotonic() - t0
+            cpu1, dt = cpu_seconds(mine), time.monotonic() - t0
             busy = sum(cpu1.get(t, 0.0) - c for t, c in cpu0.items()) / dt
             assert runner.is_alive() and learner.hold.held and learner.hold.reason == "measuring"
-            hot = {_name(t): round(cpu1.get(t, 0.0) - c, 2) for t, c in cpu0.items() if cpu1.get(t, 0.0) - c > 0.05}
+            hot = {thread_name(t): round(cpu1.get(t, 0.0) - c, 2) for t, c in cpu0.items() if cpu1.get(t, 0.0) - c > 0.05}
             assert busy < 0.5, f"a held learner used {busy:.0%} of a core: {hot}"  # it waits, it does not spin
             h = admin.get_hold()
             assert h.quiet and [x.learner_id for x in h.learners] == ["learner"] and h.learners[0].quiet
@@ -78,31 +78,6 @@ def test_no_step_while_learning_is_held_and_the_records_train_once_lifted(tmp_pa
             runner.join(60)
     trained = {rid for rid, _ in _ledger(s)}
     assert trained == {r.record_id for r in records}
-
-
-def _threads() -> set[int]:
-    return {int(t) for t in os.listdir("/proc/self/task")}
-
-
-def _cpu_s(tids: set[int]) -> dict[int, float]:
-    """CPU seconds (user + system) each live thread of `tids` has used."""
-    out = {}
-    for t in tids:
-        try:
-            with open(f"/proc/self/task/{t}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # the thread ended
-            continue
-        out[t] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
-def _name(tid: int) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f"{f.read().strip()}:{tid}"
-    except FileNotFoundError:
-        return str(tid)
 
 
 def _ledger(settings):
