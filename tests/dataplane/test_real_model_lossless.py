@@ -100,11 +100,16 @@ def ar_outputs_invariant(real_target, real_tokenizer, prompt_ids):
 def test_speculative_modes_equal_ar_exactly_with_batch_invariant_numerics(real_target, real_tokenizer, prompt_ids,
                                                                           ar_outputs_invariant, concurrency):
     eos = real_tokenizer.eos_token_id
+    # alone (C=1) every third prompt, ten across the three domains: each is served request by
+    # request, the slowest way through the suite; in batches every prompt
+    idx = list(range(0, len(prompt_ids), 3)) if concurrency == 1 else list(range(len(prompt_ids)))
     try:
         for name, drafter in _drafters(real_target):
             for mode in ("fixed", "adaptive"):
-                outs, seqs = _run(real_target, mode, drafter, prompt_ids, concurrency, eos, batch_invariant=True)
-                differ = [i for i, (a, b) in enumerate(zip(outs, ar_outputs_invariant, strict=True)) if a != b]
+                outs, seqs = _run(real_target, mode, drafter, [prompt_ids[i] for i in idx], concurrency, eos,
+                                  batch_invariant=True)
+                ar = [ar_outputs_invariant[i] for i in idx]
+                differ = [idx[j] for j, (a, b) in enumerate(zip(outs, ar, strict=True)) if a != b]
                 assert differ == [], f"{name}/{mode}/C={concurrency}: prompts {differ} differ from ar"
                 if mode == "fixed":
                     assert sum(r.k_hat for s in seqs for r in s.rounds) > sum(len(s.rounds) for s in seqs)
