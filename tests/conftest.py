@@ -59,7 +59,6 @@ def real_tokenizer(real_target_dir):
     return Tokenizer(real_target_dir)
 
 
-
 def pytest_terminal_summary(terminalreporter) -> None:
     """The threads still alive at the end of the run that used the most CPU: a thread a test
     left running (an engine loop, a server, a consumer) slows every test after it."""
