@@ -1,27 +1,19 @@
-"""CPU seconds used by each live thread of this process (Linux ``/proc/self/task``)."""
+"""CPU seconds used by each live thread of this process (psutil)."""
 
 from __future__ import annotations
 
-import os
 import threading
+
+import psutil
 
 
 def thread_ids() -> set[int]:
-    return {int(t) for t in os.listdir("/proc/self/task")}
+    return {t.id for t in psutil.Process().threads()}
 
 
 def cpu_seconds(tids: set[int] | None = None) -> dict[int, float]:
     """User + system CPU seconds of each live thread of ``tids`` (default: every thread)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for t in thread_ids() if tids is None else tids:
-        try:
-            with open(f"/proc/self/task/{t}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # the thread ended
-            continue
-        out[t] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads() if tids is None or t.id in tids}
 
 
 def thread_name(tid: int) -> str:
@@ -30,7 +22,6 @@ def thread_name(tid: int) -> str:
     if tid in names:
         return names[tid]
     try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f"{f.read().strip()}:{tid}"
-    except FileNotFoundError:
+        return f"{psutil.Process(tid).name()}:{tid}"
+    except psutil.Error:  # the thread ended
         return str(tid)
