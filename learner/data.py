@@ -255,18 +255,23 @@ def build_shard(target, tok, spec: StreamSpec, i: int, root: Path, layers: tuple
 
 
 def prepare(target, tok, root: Path, streams=DEFAULT_STREAMS, max_shards: int = 1000, time_budget_s: float = 0,
-            progress: bool = True) -> dict:
+            progress: bool = True, first_shard: int = 0) -> dict:
     """Round-robin one shard of each stream at a time until each stream is exhausted,
-    ``max_shards`` shards per stream exist, or the time budget is spent. Resumable."""
+    ``max_shards`` shards per stream exist, or the time budget is spent. Resumable.
+
+    ``first_shard`` skips the shards below it: shard ``i`` always holds the same prompts,
+    so a run that continues a drafter trained on shards ``0..n-1`` elsewhere (the cache
+    does not travel with the bundle) starts at ``n`` and makes only text it has not seen."""
     from tqdm import tqdm
 
     layers = store_layers(target.args.num_layers)
     t0 = time.time()
     done = {s.name: 0 for s in streams}
     live = list(streams)
-    bar = tqdm(total=len(streams) * max_shards, disable=not progress, desc="shards", unit="shard")
+    bar = tqdm(total=len(streams) * max(0, max_shards - first_shard), disable=not progress, desc="shards",
+               unit="shard")
     tokens = 0
-    for i in range(max_shards):
+    for i in range(first_shard, max_shards):
         for spec in list(live):
             if time_budget_s and time.time() - t0 > time_budget_s:
                 bar.close()
@@ -359,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="prepare target-labelled drafter training data (resumable)")
     ap.add_argument("--max-shards", type=int, default=1000, help="per stream")
+    ap.add_argument("--first-shard", type=int, default=0,
+                    help="skip the shards below this index (text a continued drafter already trained on)")
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; 0 = no limit")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--streams", default="", help="comma list like regen-math,tf-chat (default: all)")
@@ -375,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer(d)
     streams = [s for s in DEFAULT_STREAMS if not a.streams or s.name in a.streams.split(",")]
     root = data_root(settings.cache, settings.model.target_id)
-    res = prepare(target, tok, root, streams, a.max_shards, a.time_budget)
+    res = prepare(target, tok, root, streams, a.max_shards, a.time_budget, first_shard=a.first_shard)
     print(json.dumps({"result": res, "summary": summary(root)}, indent=1))
     return 0
 
