@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dataplane.kernels import cpu_forward, cpu_forward_bf16
 from dataplane.kernels.cpu_elementwise import rms_norm, rotary
-from dataplane.kernels.cpu_forward import LayerStack, LayerWeights, stack_of
+from dataplane.kernels.cpu_forward import LayerStack, LayerWeights
+from dataplane.kernels.cpu_forward_bf16 import LayerStackBF16
 from dataplane.kernels.cpu_linear import PackedLinear
 
 
@@ -77,14 +79,19 @@ class FusedModel:
         self.key = fused_key(model)
         self.stack = self._stack(model)
 
-    def _stack(self, model: nn.Module) -> LayerStack | None:
-        """The layers for the float32 C forward (``kernels.cpu_forward``), where it serves them."""
+    def _stack(self, model: nn.Module) -> LayerStack | LayerStackBF16 | None:
+        """The layers for the C forward of their precision (``kernels.cpu_forward`` in float32,
+        ``kernels.cpu_forward_bf16`` in bfloat16), where it serves them."""
         if any(layer.q_norm is not None for layer in self.layers):
             return None
         a = model.args
+        eps = self.layers[0].ln1.eps
         weights = [LayerWeights(f.ln1.weight.detach(), f.qkv.weight, f.o.weight, f.ln2.weight.detach(),
                                 f.gate_up.weight, f.down.weight) for f in self.layers]
-        return stack_of(weights, a.num_heads, a.num_kv_heads, self.layers[0].ln1.eps)
+        if weights[0].qkv.dtype == torch.bfloat16:
+            products = [(f.qkv, f.o, f.gate_up, f.down) for f in self.layers]
+            return cpu_forward_bf16.stack_of(weights, products, a.num_heads, a.num_kv_heads, eps)
+        return cpu_forward.stack_of(weights, a.num_heads, a.num_kv_heads, eps)
 
 
 def fused_key(model: nn.Module) -> tuple:
