@@ -60,12 +60,13 @@ def describe(precision_choice) -> dict:
 
 def cpu_kernels() -> dict:
     """Which of our CPU kernels serve products here (each only where it measured faster), and
-    whether float32 decode and verify steps run every layer in one C call."""
-    from dataplane.kernels import cpu_forward
+    whether float32 and bfloat16 steps run every layer in one C call."""
+    from dataplane.kernels import cpu_forward, cpu_forward_bf16
     from dataplane.kernels.cpu_linear import kernel_plan
 
     plan = kernel_plan()
-    return {**plan.describe(), "forward_f32_layers": plan.gemv_f32 and cpu_forward.available()}
+    return {**plan.describe(), "forward_f32_layers": plan.gemv_f32 and cpu_forward.available(),
+            "forward_bf16_layers": cpu_forward_bf16.available()}
 
 
 def bound_ms(nbytes: int, bandwidth_gbs: float) -> float:

@@ -9,6 +9,12 @@ kernels the Python path calls, through their addresses in the libraries this pro
 loaded (``kernel_pointers``), so products, norms, rotation and attention compute every
 row as there; only the SiLU is our own (float32 to the last bit, then rounded to
 bfloat16 as PyTorch rounds it). The output norm and head stay in Python.
+Measured on a 2-core AMD EPYC (family 25 model 17, Zen 4; avx512_bf16, no AMX; every
+product through the dpbf16 kernel) against the Python layers in one process, 128 cached
+tokens, fastest (median) of seven interleaved runs: one token at C=1 9.0 (12.1) against
+12.3 (16.5) ms, sixteen 19.4 (21.2) against 21.1 (23.1); one token each at C=16 23.4
+against 24.2, at C=32 41.3 against 45.3; sixteen each at C=16 218 against 222; a prompt
+of 100 tokens 70 against 77 ms, of 250 tokens 196 against 215 ms.
 
 Taken where the target serves bfloat16 on CPU, a tiled kernel (AMX or AVX512-BF16) serves
 the products here (``cpu_linear.kernel_plan``), the elementwise and attention libraries
