@@ -106,13 +106,21 @@ def _lib():
 class LayerStack:
     """The float32 layers of one model, their weight addresses laid out once for the C forward."""
 
+    DTYPE = torch.float32  # of the rows and weights
+    MAX_TOKENS = MAX_TOKENS
+
     def __init__(self, layers: list[LayerWeights], heads: int, kv_heads: int, eps: float):
         self.layers = layers  # keeps the weights alive while their addresses are in use
         self.heads, self.kv_heads, self.eps = heads, kv_heads, float(eps)
         self.H = layers[0].ln1.shape[0]
         self.head_dim = layers[0].qkv.shape[0] // (heads + 2 * kv_heads)
         self.inter = layers[0].gate_up.shape[0] // 2
-        self.ptrs = (ctypes.c_void_p * (6 * len(layers)))(*(t.data_ptr() for w in layers for t in w.tensors()))
+        ts = self.weight_tensors()
+        self.ptrs = (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """What the C call's weight pointers point at, layer after layer."""
+        return [t for w in self.layers for t in w.tensors()]
 
     @staticmethod
     def fits(layers: list[LayerWeights]) -> bool:
@@ -121,17 +129,17 @@ class LayerStack:
         return bool(ts) and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
     def takes(self, x: torch.Tensor, bounds: list[tuple[int, int, int]], caches: list[torch.Tensor]) -> bool:
-        """This stream runs here: at most ``MAX_TOKENS`` float32 rows, each request at least one
-        new token, every cache a contiguous float32 ``SeqKV.data``."""
-        return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_TOKENS
+        """This stream runs here: at most ``MAX_TOKENS`` rows of ``DTYPE``, each request at least
+        one new token, every cache a contiguous float32 ``SeqKV.data``."""
+        return (x.dtype == self.DTYPE and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= self.MAX_TOKENS
                 and bool(bounds) and all(e > s for s, e, _ in bounds)
                 and all(c.dtype == torch.float32 and c.dim() == 5 and c.is_contiguous() for c in caches))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
             bounds: list[tuple[int, int, int]], slot_layers: tuple[int, ...] = (),
             hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``layers_torch`` (check ``takes`` first). x [T, H] is not modified; ``hidden``
-        [T, len(slot_layers), H] float32 may be given to be filled."""
+        """As ``layers_torch`` (check ``takes`` first). x [T, H] is not modified; cos, sin [T, d]
+        and ``hidden`` [T, len(slot_layers), H], which may be given to be filled, in ``DTYPE``."""
         T = x.shape[0]
         x = x.contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -139,13 +147,17 @@ class LayerStack:
             hidden = x.new_empty(T, len(slot_layers), self.H)
         args = BatchArgs(caches, bounds)
         slots = (ctypes.c_int64 * max(len(slot_layers), 1))(*slot_layers)
-        rc = _lib()(x.data_ptr(), T, self.H, len(self.layers), self.ptrs, self.heads, self.kv_heads, self.head_dim,
-                    self.inter, self.eps, cos.data_ptr(), sin.data_ptr(), args.B, args.row0, args.n, args.caches,
-                    args.layer_stride, args.cap, args.start, hidden.data_ptr(), len(slot_layers), slots,
-                    torch.get_num_threads())
+        rc = self._call(x.data_ptr(), T, self.H, len(self.layers), self.ptrs, self.heads, self.kv_heads,
+                        self.head_dim, self.inter, self.eps, cos.data_ptr(), sin.data_ptr(), args.B, args.row0, args.n,
+                        args.caches, args.layer_stride, args.cap, args.start, hidden.data_ptr(), len(slot_layers),
+                        slots)
         if rc != 0:
-            raise RuntimeError(f"forward kernel refused its arguments ({rc})")
+            raise RuntimeError(f"{self.DTYPE} forward kernel refused its arguments ({rc})")
         return x, hidden
+
+    def _call(self, *args) -> int:
+        """The C forward with ``run``'s arguments; its return code."""
+        return _lib()(*args, torch.get_num_threads())
 
 
 def stack_of(layers: list[LayerWeights], heads: int, kv_heads: int, eps: float) -> LayerStack | None:

@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 
 from dataplane.kernels import cpu_attention, cpu_elementwise, cpu_gemv, cpu_gemv_f32
-from dataplane.kernels.cpu_attention import BatchArgs
-from dataplane.kernels.cpu_forward import ENV_SWITCH, LayerWeights, layers_torch
+from dataplane.kernels.cpu_forward import ENV_SWITCH, LayerStack, LayerWeights, layers_torch
 from dataplane.kernels.cpu_linear import PackedLinear, kernel_plan
 
 SOURCE = Path(__file__).with_name("forward_bf16.c")
@@ -75,18 +74,20 @@ def kernel_pointers() -> tuple[ctypes.Array, int, int] | None:
     return fns, cpu_gemv.MAX_ROWS if gemv else 0, plan.tiled.MAX_ROWS
 
 
-class LayerStackBF16:
-    """The bfloat16 layers of one model (their ``PackedLinear`` products), addresses laid out once."""
+class LayerStackBF16(LayerStack):
+    """The bfloat16 layers of one model and their products laid out for the tiled kernel,
+    addresses laid out once: per layer the six row-major tensors, then the four tiled ones."""
+
+    DTYPE = torch.bfloat16
+    MAX_TOKENS = MAX_TOKENS
 
     def __init__(self, layers: list[LayerWeights], tiles: list[tuple[torch.Tensor, ...]], heads: int, kv_heads: int,
                  eps: float):
-        self.layers, self.tiles = layers, tiles  # keep the weights alive while their addresses are in use
-        self.heads, self.kv_heads, self.eps = heads, kv_heads, float(eps)
-        self.H = layers[0].ln1.shape[0]
-        self.head_dim = layers[0].qkv.shape[0] // (heads + 2 * kv_heads)
-        self.inter = layers[0].gate_up.shape[0] // 2
-        self.ptrs = (ctypes.c_void_p * (10 * len(layers)))(
-            *(t.data_ptr() for w, tl in zip(layers, tiles, strict=True) for t in (*w.tensors(), *tl)))
+        self.tiles = tiles  # keeps the tiled weights alive while their addresses are in use
+        super().__init__(layers, heads, kv_heads, eps)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [t for w, tl in zip(self.layers, self.tiles, strict=True) for t in (*w.tensors(), *tl)]
 
     @staticmethod
     def fits(layers: list[LayerWeights], products: list[tuple[PackedLinear, ...]]) -> bool:
@@ -95,33 +96,9 @@ class LayerStackBF16:
         return (bool(ts) and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
                 and all(p.tiles is not None for ps in products for p in ps))
 
-    def takes(self, x: torch.Tensor, bounds: list[tuple[int, int, int]], caches: list[torch.Tensor]) -> bool:
-        """This stream runs here: at most ``MAX_TOKENS`` bfloat16 rows, each request at least one
-        new token, every cache a contiguous float32 ``SeqKV.data``."""
-        return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_TOKENS
-                and bool(bounds) and all(e > s for s, e, _ in bounds)
-                and all(c.dtype == torch.float32 and c.dim() == 5 and c.is_contiguous() for c in caches))
-
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor],
-            bounds: list[tuple[int, int, int]], slot_layers: tuple[int, ...] = (),
-            hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``layers_torch`` (check ``takes`` first). x [T, H] bf16 is not modified; cos, sin
-        [T, d] bf16; ``hidden`` [T, len(slot_layers), H] bf16 may be given to be filled."""
-        T = x.shape[0]
-        x = x.contiguous().clone()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        if hidden is None:
-            hidden = x.new_empty(T, len(slot_layers), self.H)
-        args = BatchArgs(caches, bounds)
-        slots = (ctypes.c_int64 * max(len(slot_layers), 1))(*slot_layers)
+    def _call(self, *args) -> int:
         fns, gemv_rows, tiled_rows = kernel_pointers()
-        rc = _lib()(x.data_ptr(), T, self.H, len(self.layers), self.ptrs, self.heads, self.kv_heads, self.head_dim,
-                    self.inter, self.eps, cos.data_ptr(), sin.data_ptr(), args.B, args.row0, args.n, args.caches,
-                    args.layer_stride, args.cap, args.start, hidden.data_ptr(), len(slot_layers), slots, fns,
-                    gemv_rows, tiled_rows, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"bfloat16 forward kernel refused its arguments ({rc})")
-        return x, hidden
+        return _lib()(*args, fns, gemv_rows, tiled_rows, torch.get_num_threads())
 
 
 def stack_of(layers: list[LayerWeights], products: list[tuple[PackedLinear, ...]], heads: int, kv_heads: int,
