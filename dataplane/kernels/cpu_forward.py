@@ -122,11 +122,11 @@ class LayerStack:
         """What the C call's weight pointers point at, layer after layer."""
         return [t for w in self.layers for t in w.tensors()]
 
-    @staticmethod
-    def fits(layers: list[LayerWeights]) -> bool:
-        """Contiguous float32 CPU weights of the shapes the kernel takes."""
+    @classmethod
+    def fits(cls, layers: list[LayerWeights]) -> bool:
+        """Contiguous CPU weights of ``DTYPE``, of the shapes the kernel takes."""
         ts = [t for w in layers for t in w.tensors()]
-        return bool(ts) and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
+        return bool(ts) and all(t.dtype == cls.DTYPE and t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
     def takes(self, x: torch.Tensor, bounds: list[tuple[int, int, int]], caches: list[torch.Tensor]) -> bool:
         """This stream runs here: at most ``MAX_TOKENS`` rows of ``DTYPE``, each request at least

@@ -89,12 +89,16 @@ class LayerStackBF16(LayerStack):
     def weight_tensors(self) -> list[torch.Tensor]:
         return [t for w, tl in zip(self.layers, self.tiles, strict=True) for t in (*w.tensors(), *tl)]
 
-    @staticmethod
-    def fits(layers: list[LayerWeights], products: list[tuple[PackedLinear, ...]]) -> bool:
+    @classmethod
+    def fits(cls, layers: list[LayerWeights], products: list[tuple[PackedLinear, ...]]) -> bool:
         """Contiguous bfloat16 CPU weights, every product laid out for the tiled kernel."""
-        ts = [t for w in layers for t in w.tensors()]
-        return (bool(ts) and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
-                and all(p.tiles is not None for ps in products for p in ps))
+        return super().fits(layers) and all(p.tiles is not None for ps in products for p in ps)
+
+    @classmethod
+    def of_products(cls, layers: list[LayerWeights], products: list[tuple[PackedLinear, ...]], heads: int,
+                    kv_heads: int, eps: float) -> LayerStackBF16:
+        """The stack of ``layers`` with the tiled weights of their ``products`` (check ``fits`` first)."""
+        return cls(layers, [tuple(p.tiles for p in ps) for ps in products], heads, kv_heads, eps)
 
     def _call(self, *args) -> int:
         fns, gemv_rows, tiled_rows = kernel_pointers()
@@ -108,7 +112,7 @@ def stack_of(layers: list[LayerWeights], products: list[tuple[PackedLinear, ...]
     correct), else None. ``products``: per layer its qkv, o, gate_up and down ``PackedLinear``."""
     if not LayerStackBF16.fits(layers, products) or not available():
         return None
-    return LayerStackBF16(layers, [tuple(p.tiles for p in ps) for ps in products], heads, kv_heads, eps)
+    return LayerStackBF16.of_products(layers, products, heads, kv_heads, eps)
 
 
 @functools.cache
@@ -129,7 +133,7 @@ def available() -> bool:
     products = [tuple(PackedLinear(m) for m in (w.qkv, w.o, w.gate_up, w.down)) for w in layers]
     if not LayerStackBF16.fits(layers, products):
         return False
-    stack = LayerStackBF16(layers, [tuple(p.tiles for p in ps) for ps in products], heads, kvh, 1e-5)
+    stack = LayerStackBF16.of_products(layers, products, heads, kvh, 1e-5)
     bounds = [(0, 1, 5), (1, 4, 2), (4, 11, 0)]
     T = 11
     x, pos = r(T, H, s=1.0), torch.tensor([5, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6])
